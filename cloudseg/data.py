@@ -1,0 +1,272 @@
+"""The data layer: train.csv, images, folds, and the Dataset that serves them at native size."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import albumentations as A
+import cv2
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from sklearn.model_selection import StratifiedKFold
+from torch.utils.data import Dataset
+
+from cloudseg import rle
+from cloudseg.files import atomic_path
+from cloudseg.task import (
+    FOLDS_CSV,
+    ID_COLUMN,
+    LABELS,
+    PAD_MULTIPLE,
+    RLE_COLUMN,
+    SAMPLE_SUBMISSION_CSV,
+    TEST_IMAGES,
+    TRAIN_CSV,
+    TRAIN_IMAGES,
+    split_image_label,
+)
+
+# ---------------------------------------------------------------------------------- CSV
+
+
+def read_label_csv(path: str | Path, *, require_all_labels: bool = True) -> pd.DataFrame:
+    """A Kaggle-format CSV (`Image_Label,EncodedPixels`) as one row per image.
+
+    Returns a frame indexed by image id with one column of RLE strings per label, in
+    `LABELS` order, "" meaning no mask. Errors name the file and the offending line.
+    Every run's syntax is checked here, so a malformed RLE fails before a long run starts.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    # utf-8-sig drops a byte-order mark; pandas takes \r\n line endings as they come.
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
+    missing = [c for c in (ID_COLUMN, RLE_COLUMN) if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {missing}; expected header '{ID_COLUMN},{RLE_COLUMN}'")
+    rows = []
+    for line, (key, encoded) in enumerate(zip(frame[ID_COLUMN], frame[RLE_COLUMN]), start=2):
+        try:
+            image_id, label = split_image_label(key)
+            rle.parse(encoded)
+        except ValueError as error:
+            raise ValueError(f"{path}, line {line} ({key}): {error}") from None
+        rows.append((image_id, label, encoded.strip(), line))
+    long = pd.DataFrame(rows, columns=["image_id", "label", "rle", "line"])
+    _reject_duplicates(long, path)
+    table = long.pivot(index="image_id", columns="label", values="rle").reindex(columns=list(LABELS))
+    if require_all_labels and table.isna().any(axis=None):
+        image_id = table.index[table.isna().any(axis=1)][0]
+        absent = [label for label in LABELS if pd.isna(table.loc[image_id, label])]
+        raise ValueError(f"{path}: image {image_id} has no row for label(s) {absent}")
+    table = table.fillna("")
+    table = table.loc[long["image_id"].drop_duplicates()]  # keep the file's image order
+    table.columns.name = None
+    return table
+
+
+def _reject_duplicates(long: pd.DataFrame, path: Path) -> None:
+    duplicated = long[long.duplicated(["image_id", "label"], keep=False)]
+    if len(duplicated):
+        first = duplicated.iloc[0]
+        lines = duplicated.loc[
+            (duplicated.image_id == first.image_id) & (duplicated.label == first.label), "line"
+        ].tolist()
+        raise ValueError(f"{path}: duplicate {ID_COLUMN} {first.image_id}_{first.label} on lines {lines}")
+
+
+def read_train_csv(data_dir: str | Path) -> pd.DataFrame:
+    """`data_dir/train.csv` as one row per image, four RLE columns (see `read_label_csv`)."""
+    return read_label_csv(Path(data_dir) / TRAIN_CSV)
+
+
+def test_image_ids(data_dir: str | Path) -> list[str]:
+    """Test image ids in the order of `sample_submission.csv`."""
+    return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV, require_all_labels=True).index.tolist()
+
+
+# ---------------------------------------------------------------------------------- images
+
+
+def read_image(path: str | Path, expected_shape: tuple[int, int] | None = None) -> np.ndarray:
+    """An RGB image as an H×W×3 uint8 array; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: image not found")
+    data = np.fromfile(path, dtype=np.uint8)
+    if data.size == 0:
+        raise ValueError(f"{path}: empty file")
+    if data[:2].tobytes() != b"\xff\xd8":
+        raise ValueError(f"{path}: not a JPEG file")
+    if b"\xff\xd9" not in data[-1024:].tobytes():
+        raise ValueError(f"{path}: truncated JPEG (no end-of-image marker)")
+    image = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    if image is None:
+        raise ValueError(f"{path}: corrupt JPEG, OpenCV cannot decode it")
+    if expected_shape is not None and image.shape[:2] != tuple(expected_shape):
+        raise ValueError(
+            f"{path}: image is {image.shape[0]}x{image.shape[1]}, expected {expected_shape[0]}x{expected_shape[1]}"
+        )
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def image_shape(path: str | Path) -> tuple[int, int]:
+    """(H, W) of an image file."""
+    return read_image(path).shape[:2]
+
+
+def padded_shape(shape: tuple[int, int], multiple: int = PAD_MULTIPLE) -> tuple[int, int]:
+    """Smallest (H, W) at least `shape` and divisible by `multiple`: 1400×2100 -> 1408×2112."""
+    return tuple(-(-side // multiple) * multiple for side in shape)
+
+
+def pad(batch: torch.Tensor, multiple: int = PAD_MULTIPLE) -> torch.Tensor:
+    """Zero-pad the last two dims at the bottom and right up to a multiple (undo with `crop`)."""
+    height, width = batch.shape[-2:]
+    padded_height, padded_width = padded_shape((height, width), multiple)
+    return F.pad(batch, (0, padded_width - width, 0, padded_height - height))
+
+
+def crop(batch: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Inverse of `pad`: the top-left `shape` of the last two dims."""
+    return batch[..., : shape[0], : shape[1]]
+
+
+# ---------------------------------------------------------------------------------- dataset
+
+
+class CloudDataset(Dataset):
+    """Images (and, for the train split, their four masks) at the files' native size.
+
+    An item is a dict: `image` (3×H×W uint8 tensor, RGB), `mask` (4×H×W uint8 tensor in
+    `LABELS` order, train split only) and `image_id`. `image_size` is the (H, W) every image
+    must have; None takes it from the first image. `transform` is an albumentations
+    transform applied to image and masks together.
+    """
+
+    def __init__(self, data_dir, split="train", image_ids=None, transform=None, image_size=None):
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.image_dir = self.data_dir / (TRAIN_IMAGES if split == "train" else TEST_IMAGES)
+        self.labels = read_train_csv(self.data_dir) if split == "train" else None
+        all_ids = self.labels.index.tolist() if split == "train" else test_image_ids(self.data_dir)
+        self.image_ids = list(all_ids if image_ids is None else image_ids)
+        unknown = sorted(set(self.image_ids) - set(all_ids))
+        if unknown:
+            raise KeyError(f"{len(unknown)} image id(s) not in the {split} split of {self.data_dir}, e.g. {unknown[0]}")
+        self.transform = transform
+        if image_size is None and self.image_ids:
+            image_size = image_shape(self.image_dir / self.image_ids[0])
+        self.image_size = tuple(image_size) if image_size is not None else None
+
+    def __len__(self) -> int:
+        return len(self.image_ids)
+
+    def __getitem__(self, index: int) -> dict:
+        image_id = self.image_ids[index]
+        image = read_image(self.image_dir / image_id, self.image_size)
+        item = {"image_id": image_id}
+        if self.labels is None:
+            if self.transform is not None:
+                image = self.transform(image=image)["image"]
+        else:
+            mask = cv2.merge([self._decode(image_id, label) for label in LABELS])
+            if self.transform is not None:
+                out = self.transform(image=image, mask=mask)
+                image, mask = out["image"], out["mask"]
+            item["mask"] = _chw_tensor(mask)
+        item["image"] = _chw_tensor(image)
+        return item
+
+    def _decode(self, image_id: str, label: str) -> np.ndarray:
+        try:
+            return rle.decode(self.labels.at[image_id, label], self.image_size)
+        except ValueError as error:
+            raise ValueError(f"{self.data_dir / TRAIN_CSV} ({image_id}_{label}): {error}") from None
+
+
+def _chw_tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+
+
+# ---------------------------------------------------------------------------------- transforms
+
+
+def build_transform(
+    hflip: float = 0.5,
+    vflip: float = 0.5,
+    shift_scale_rotate: float = 0.0,
+    brightness_contrast: float = 0.0,
+) -> A.Compose | None:
+    """Training augmentation: each argument is the probability of that transform (0 = off).
+
+    Geometry keeps the native size; masks move with the image, resampled nearest-neighbour.
+    """
+    steps = []
+    if hflip:
+        steps.append(A.HorizontalFlip(p=hflip))
+    if vflip:
+        steps.append(A.VerticalFlip(p=vflip))
+    if shift_scale_rotate:
+        steps.append(
+            A.Affine(translate_percent=(-0.0625, 0.0625), scale=(0.9, 1.1), rotate=(-15, 15),
+                     border_mode=cv2.BORDER_CONSTANT, fill=0, fill_mask=0, p=shift_scale_rotate)
+        )
+    if brightness_contrast:
+        steps.append(A.RandomBrightnessContrast(brightness_limit=0.2, contrast_limit=0.2, p=brightness_contrast))
+    return A.Compose(steps) if steps else None
+
+
+# ---------------------------------------------------------------------------------- folds
+
+
+def make_folds(labels: pd.DataFrame, n_folds: int = 5, seed: int = 42) -> pd.Series:
+    """Fold index per image, stratified on the set of labels each image has.
+
+    With four labels there are at most 15 sets, so stratifying on the set itself keeps fold
+    sizes equal and every label's and every co-occurrence's frequency balanced (on a
+    Kaggle-sized label table, label shares differ by < 0.3% across folds).
+    """
+    if len(labels) < n_folds:
+        raise ValueError(f"cannot split {len(labels)} images into {n_folds} folds")
+    label_set = (labels[list(LABELS)] != "").to_numpy() @ (1 << np.arange(len(LABELS)))
+    splitter = StratifiedKFold(n_splits=n_folds, shuffle=True, random_state=seed)
+    fold = np.empty(len(labels), dtype=int)
+    with warnings.catch_warnings():  # label sets rarer than n_folds are spread as well as they can be
+        warnings.filterwarnings("ignore", "The least populated class", UserWarning)
+        for k, (_, valid) in enumerate(splitter.split(label_set, label_set)):
+            fold[valid] = k
+    return pd.Series(fold, index=labels.index, name="fold")
+
+
+def load_folds(data_dir: str | Path, n_folds: int = 5, seed: int = 42) -> pd.Series:
+    """Folds saved in `data_dir/folds.csv`, made and saved on first use so every run shares them."""
+    path = Path(data_dir) / FOLDS_CSV
+    labels = read_train_csv(data_dir)
+    if not path.is_file():
+        folds = make_folds(labels, n_folds, seed)
+        with atomic_path(path) as tmp:
+            folds.rename_axis("image_id").to_csv(tmp)
+        return folds
+    saved = pd.read_csv(path, dtype={"image_id": str}, encoding="utf-8-sig")
+    if list(saved.columns) != ["image_id", "fold"]:
+        raise ValueError(f"{path}: expected columns image_id,fold, got {','.join(saved.columns)}")
+    folds = saved.set_index("image_id")["fold"]
+    if set(folds.index) != set(labels.index) or folds.nunique() != n_folds:
+        raise ValueError(
+            f"{path} does not match {TRAIN_CSV} with {n_folds} folds "
+            f"({len(folds)} images in {folds.nunique()} folds vs {len(labels)} images); delete it to re-split"
+        )
+    return folds.reindex(labels.index)
+
+
+def split_by_fold(folds: pd.Series, fold: int) -> tuple[list[str], list[str]]:
+    """(train ids, validation ids): fold `fold` is held out, the others train."""
+    if fold not in set(folds):
+        raise ValueError(f"fold {fold} does not exist; folds are {sorted(set(folds))}")
+    return folds.index[folds != fold].tolist(), folds.index[folds == fold].tolist()

@@ -1,0 +1,251 @@
+import shutil
+
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cloudseg import rle
+from cloudseg.data import (
+    CloudDataset,
+    build_transform,
+    crop,
+    load_folds,
+    make_folds,
+    pad,
+    padded_shape,
+    read_label_csv,
+    read_train_csv,
+    split_by_fold,
+)
+from cloudseg.synth import synthesize
+from cloudseg.task import LABELS
+
+HEADER = "Image_Label,EncodedPixels\n"
+
+
+def write_csv(path, text):
+    path.write_text(text)
+    return path
+
+
+def four_rows(image_id, rles=("1 2", "", "", "3 1")):
+    return "".join(f"{image_id}_{label},{code}\n" for label, code in zip(LABELS, rles))
+
+
+# ---------------------------------------------------------------- train.csv
+
+
+def test_read_label_csv_gives_one_row_per_image_in_label_order(tmp_path):
+    text = HEADER + four_rows("b.jpg") + four_rows("a.jpg", ("", "5 5", "", ""))
+    table = read_label_csv(write_csv(tmp_path / "t.csv", text))
+    assert table.index.tolist() == ["b.jpg", "a.jpg"]
+    assert table.columns.tolist() == list(LABELS)
+    assert table.loc["b.jpg"].tolist() == ["1 2", "", "", "3 1"]
+    assert table.loc["a.jpg", "Flower"] == "5 5"
+
+
+def test_rows_in_any_order_are_regrouped(tmp_path):
+    lines = four_rows("a.jpg").splitlines(keepends=True)
+    table = read_label_csv(write_csv(tmp_path / "t.csv", HEADER + "".join(reversed(lines))))
+    assert table.loc["a.jpg"].tolist() == ["1 2", "", "", "3 1"]
+
+
+def test_byte_order_mark_and_windows_line_endings_just_work(tmp_path):
+    text = (HEADER + four_rows("a.jpg")).replace("\n", "\r\n")
+    path = tmp_path / "t.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_label_csv(path).loc["a.jpg"].tolist() == ["1 2", "", "", "3 1"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("Image,Pixels\n" + four_rows("a.jpg"), r"t\.csv: missing column"),
+        (HEADER + four_rows("a.jpg").replace("_Sugar", "_Cumulus"), r"t\.csv, line 5 \(a\.jpg_Cumulus\): .*unknown label 'Cumulus'"),
+        (HEADER + "nolabel,1 2\n", r"line 2 \(nolabel\).*not of the form"),
+        (HEADER + four_rows("a.jpg") + "a.jpg_Fish,\n", r"duplicate Image_Label a\.jpg_Fish on lines \[2, 6\]"),
+        (HEADER + four_rows("a.jpg", ("1 2", "3", "", "")), r"line 3 \(a\.jpg_Flower\): RLE has an odd number"),
+        (HEADER + four_rows("a.jpg")[: -len("a.jpg_Sugar,3 1\n")], r"image a\.jpg has no row for label\(s\) \['Sugar'\]"),
+    ],
+)
+def test_csv_errors_name_the_file_and_row(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message):
+        read_label_csv(write_csv(tmp_path / "t.csv", text))
+
+
+def test_missing_csv_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.csv"):
+        read_label_csv(tmp_path / "nothere.csv")
+
+
+# ---------------------------------------------------------------- dataset
+
+
+@pytest.fixture(scope="module")
+def fullres_data(tmp_path_factory):
+    return synthesize(tmp_path_factory.mktemp("full"), n_train=2, n_test=1, seed=5)
+
+
+def test_dataset_returns_native_full_resolution_with_masks_equal_to_decode(fullres_data):
+    dataset = CloudDataset(fullres_data)
+    table = read_train_csv(fullres_data)
+    assert dataset.image_size == (1400, 2100)
+    for index in range(len(dataset)):
+        item = dataset[index]
+        assert item["image"].shape == (3, 1400, 2100) and item["image"].dtype == torch.uint8
+        assert item["mask"].shape == (4, 1400, 2100) and item["mask"].dtype == torch.uint8
+        for channel, label in enumerate(LABELS):
+            expected = rle.decode(table.at[item["image_id"], label], (1400, 2100))
+            assert torch.equal(item["mask"][channel], torch.from_numpy(expected))
+        # the image is RGB as on disk: compare with an independent read
+        bgr = cv2.imread(str(fullres_data / "train_images" / item["image_id"]))
+        assert torch.equal(item["image"], torch.from_numpy(bgr[..., ::-1].transpose(2, 0, 1).copy()))
+
+
+def test_test_split_has_no_mask_and_follows_sample_submission(tiny_data):
+    dataset = CloudDataset(tiny_data, split="test")
+    expected_ids = pd.read_csv(tiny_data / "sample_submission.csv")["Image_Label"].str.rsplit("_", n=1).str[0].unique()
+    assert dataset.image_ids == list(expected_ids)
+    item = dataset[0]
+    assert "mask" not in item and item["image"].shape == (3, 64, 96)
+
+
+def test_image_ids_select_a_subset_and_unknown_ids_fail(tiny_data):
+    ids = read_train_csv(tiny_data).index[:3].tolist()
+    assert CloudDataset(tiny_data, image_ids=ids).image_ids == ids
+    with pytest.raises(KeyError, match="nope.jpg"):
+        CloudDataset(tiny_data, image_ids=["nope.jpg"])
+
+
+def test_transform_moves_image_and_masks_together(tiny_data):
+    plain = CloudDataset(tiny_data)[0]
+    flipped = CloudDataset(tiny_data, transform=build_transform(hflip=1.0, vflip=0.0))[0]
+    assert torch.equal(flipped["image"], plain["image"].flip(-1))
+    assert torch.equal(flipped["mask"], plain["mask"].flip(-1))
+
+
+def test_affine_augmentation_keeps_native_size_and_binary_masks(tiny_data):
+    item = CloudDataset(tiny_data, transform=build_transform(0, 0, shift_scale_rotate=1.0, brightness_contrast=1.0))[0]
+    assert item["image"].shape == (3, 64, 96) and item["mask"].shape == (4, 64, 96)
+    assert set(item["mask"].unique().tolist()) <= {0, 1}
+
+
+def test_no_transform_when_all_probabilities_are_zero():
+    assert build_transform(0, 0, 0, 0) is None
+
+
+@pytest.fixture
+def data_copy(tiny_data, tmp_path):
+    return shutil.copytree(tiny_data, tmp_path / "copy")
+
+
+def corrupt(data_dir, how):
+    dataset = CloudDataset(data_dir)
+    path = data_dir / "train_images" / dataset.image_ids[1]
+    if how == "missing":
+        path.unlink()
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[:-300])
+    elif how == "garbage":
+        path.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")
+    elif how == "not a jpeg":
+        path.write_bytes(b"PNG-ish bytes")
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "wrong size":
+        cv2.imwrite(str(path), np.zeros((32, 96, 3), np.uint8))
+    return dataset, path
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("missing", "image not found"),
+        ("truncated", "truncated JPEG"),
+        ("garbage", "corrupt JPEG"),
+        ("not a jpeg", "not a JPEG"),
+        ("empty", "empty file"),
+        ("wrong size", "is 32x96, expected 64x96"),
+    ],
+)
+def test_bad_images_raise_errors_naming_the_file(data_copy, how, message):
+    dataset, path = corrupt(data_copy, how)
+    with pytest.raises((ValueError, FileNotFoundError), match=message) as error:
+        dataset[1]
+    assert str(path) in str(error.value)
+
+
+def test_rle_past_the_image_names_its_image_label(data_copy):
+    csv = data_copy / "train.csv"
+    frame = pd.read_csv(csv, keep_default_na=False)
+    frame.loc[1, "EncodedPixels"] = "6000 200"  # 64*96 = 6144 pixels
+    frame.to_csv(csv, index=False)
+    dataset = CloudDataset(data_copy)
+    key = frame.loc[1, "Image_Label"]
+    with pytest.raises(ValueError, match=f"{key}.*past the last pixel"):
+        dataset[0]
+
+
+def test_explicit_image_size_rejects_other_sizes(tiny_data):
+    with pytest.raises(ValueError, match="is 64x96, expected 1400x2100"):
+        CloudDataset(tiny_data, image_size=(1400, 2100))[0]
+
+
+# ---------------------------------------------------------------- padding
+
+
+def test_padded_shape_of_the_kaggle_image():
+    assert padded_shape((1400, 2100)) == (1408, 2112)
+    assert padded_shape((64, 96)) == (64, 96)
+
+
+def test_pad_then_crop_is_exact():
+    batch = torch.randn(2, 3, 1400, 2100)
+    padded = pad(batch)
+    assert padded.shape == (2, 3, 1408, 2112)
+    assert padded[..., 1400:, :].abs().sum() == 0 and padded[..., :, 2100:].abs().sum() == 0
+    assert torch.equal(crop(padded, (1400, 2100)), batch)
+
+
+# ---------------------------------------------------------------- folds
+
+
+def random_label_table(n, seed=0):
+    rng = np.random.default_rng(seed)
+    present = rng.random((n, 4)) < [0.5, 0.45, 0.45, 0.6]
+    present[~present.any(1), 0] = True
+    return pd.DataFrame(np.where(present, "1 1", ""), columns=list(LABELS), index=[f"{i}.jpg" for i in range(n)])
+
+
+def test_every_image_in_exactly_one_fold_with_balanced_labels():
+    labels = random_label_table(1000)
+    folds = make_folds(labels, n_folds=5, seed=1)
+    assert folds.index.equals(labels.index) and set(folds) == set(range(5))
+    assert folds.value_counts().max() - folds.value_counts().min() <= 1
+    counts = labels.ne("").groupby(folds).sum()
+    assert (counts.max() - counts.min()).max() <= 3, counts  # a random split spreads by ~20
+
+
+def test_folds_are_deterministic_for_a_seed():
+    labels = random_label_table(200)
+    assert make_folds(labels, 5, seed=7).equals(make_folds(labels, 5, seed=7))
+    assert not make_folds(labels, 5, seed=7).equals(make_folds(labels, 5, seed=8))
+
+
+def test_folds_are_saved_once_and_reused(data_copy):
+    first = load_folds(data_copy, n_folds=3, seed=1)
+    assert (data_copy / "folds.csv").is_file()
+    assert load_folds(data_copy, n_folds=3, seed=999).equals(first)  # the saved split wins
+    with pytest.raises(ValueError, match="folds.csv does not match"):
+        load_folds(data_copy, n_folds=4)
+
+
+def test_split_by_fold_holds_out_one_fold(tiny_data):
+    folds = make_folds(read_train_csv(tiny_data), 3, seed=0)
+    train_ids, valid_ids = split_by_fold(folds, 1)
+    assert set(valid_ids) == set(folds.index[folds == 1])
+    assert set(train_ids) | set(valid_ids) == set(folds.index) and not set(train_ids) & set(valid_ids)
+    with pytest.raises(ValueError, match="fold 7 does not exist"):
+        split_by_fold(folds, 7)
