@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
+from pathlib import Path
 
 from cloudseg.task import IMAGE_SHAPE, LABELS
 
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError, RuntimeError)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         return args.run(args) or 0
     except USER_ERRORS as error:
@@ -47,6 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     folds.add_argument("--n-folds", type=int, default=5)
     folds.add_argument("--seed", type=int, default=42)
     folds.set_defaults(run=run_folds)
+
+    train = commands.add_parser("train", help="train a UNet at native resolution")
+    train.add_argument("-c", "--config", help="YAML config (see configs/); not needed with --resume")
+    train.add_argument("--out", help="run directory (default runs/<timestamp>)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last.pt")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-3")
+    train.set_defaults(run=run_train)
+
+    predict = commands.add_parser("predict", help="write a Kaggle submission from one or more checkpoints")
+    predict.add_argument("--checkpoint", action="append", required=True, help="best.pt or last.pt; repeat to ensemble")
+    predict.add_argument("--data-dir", help="Kaggle-layout folder (default: the data the checkpoint trained on)")
+    predict.add_argument("--out", default="submission.csv")
+    predict.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. predict.threshold=0.45")
+    predict.set_defaults(run=run_predict)
+
+    config = commands.add_parser("config", help="print a resolved config, or every key with its doc")
+    config.add_argument("-c", "--config", help="YAML config")
+    config.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
+    config.add_argument("overrides", nargs="*", metavar="key=value")
+    config.set_defaults(run=run_config)
     return parser
 
 
@@ -75,3 +99,44 @@ def run_folds(args) -> None:
     present.insert(0, "images", folds.value_counts().sort_index())
     print(f"{args.data_dir}/{FOLDS_CSV}: share of images with each label, per fold")
     print(present.round(3).to_string())
+
+
+def run_train(args) -> None:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from cloudseg.checkpoint import load_checkpoint
+    from cloudseg.config import apply_overrides, from_dict, load_config
+    from cloudseg.train import train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = load_checkpoint(run_dir / "last.pt")["config"]
+        config = from_dict(apply_overrides(saved, args.overrides), source=f"{run_dir}/last.pt")
+    else:
+        if not args.config:
+            raise ValueError("train needs -c CONFIG (or --resume RUN_DIR)")
+        config = load_config(args.config, args.overrides)
+        run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        if (run_dir / "last.pt").exists():
+            raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logging.getLogger().addHandler(handler)
+    with logging_redirect_tqdm():
+        history = train(config, run_dir, resume=bool(args.resume))
+    best = history.loc[history["dice"].idxmax()]
+    print(f"run {run_dir}: best validation Dice {best['dice']:.4f} at epoch {int(best['epoch'])}")
+
+
+def run_predict(args) -> None:
+    from cloudseg.predict import predict
+
+    path = predict(args.checkpoint, args.data_dir, args.out, args.overrides)
+    print(f"wrote {path}")
+
+
+def run_config(args) -> None:
+    from cloudseg.config import describe, dump, load_config
+
+    print(describe() if args.keys else dump(load_config(args.config, args.overrides)), end="\n")

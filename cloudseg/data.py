@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from sklearn.model_selection import StratifiedKFold
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from cloudseg import rle
 from cloudseg.files import atomic_path
@@ -167,7 +167,11 @@ class CloudDataset(Dataset):
     def __len__(self) -> int:
         return len(self.image_ids)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, key: int | tuple[int, int]) -> dict:
+        """`dataset[i]`, or `dataset[i, seed]` to draw the augmentation from `seed` (see EpochSampler)."""
+        index, seed = key if isinstance(key, tuple) else (key, None)
+        if seed is not None and self.transform is not None:
+            self.transform.set_random_seed(seed)
         image_id = self.image_ids[index]
         image = read_image(self.image_dir / image_id, self.image_size)
         item = {"image_id": image_id}
@@ -188,6 +192,28 @@ class CloudDataset(Dataset):
             return rle.decode(self.labels.at[image_id, label], self.image_size)
         except ValueError as error:
             raise ValueError(f"{self.data_dir / TRAIN_CSV} ({image_id}_{label}): {error}") from None
+
+
+class EpochSampler(Sampler):
+    """Shuffled `(index, augmentation seed)` pairs, a pure function of (seed, epoch).
+
+    Data order and augmentation are then the same whatever the number of workers, and a
+    run resumed at epoch k sees exactly what an uninterrupted run saw.
+    """
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order, seeds = rng.permutation(self.size), rng.integers(0, 2**31, self.size)
+        return iter(zip(order.tolist(), seeds.tolist()))
 
 
 def _chw_tensor(array: np.ndarray) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""Typed run configuration: YAML files in configs/, dotted `key=value` overrides.
+
+Every field documents itself (`cloudseg config -c FILE` prints them). Unknown keys and
+wrong types are errors that name the key. The resolved config is saved in every run
+directory and inside every checkpoint, so inference needs no config file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cloudseg.task import LABELS
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    dir: str = Field("data/kaggle", description="folder in the Kaggle layout (train.csv, train_images/, ...)")
+    fold: int = Field(0, ge=0, description="fold held out for validation; the other folds train")
+    n_folds: int = Field(5, ge=2, description="number of folds (folds.csv is made once per data folder)")
+    image_size: tuple[int, int] | None = Field(
+        None, description="expected native [H, W] of every image; null = taken from the first image"
+    )
+    num_workers: int = Field(2, ge=0, description="DataLoader worker processes")
+
+
+class AugmentConfig(Section):
+    hflip: float = Field(0.5, ge=0, le=1, description="probability of a horizontal flip")
+    vflip: float = Field(0.5, ge=0, le=1, description="probability of a vertical flip")
+    shift_scale_rotate: float = Field(0.0, ge=0, le=1, description="probability of a small shift/scale/rotation")
+    brightness_contrast: float = Field(0.0, ge=0, le=1, description="probability of a brightness/contrast change")
+
+
+class ModelConfig(Section):
+    encoder: str = Field("resnet34", description="smp encoder name (e.g. resnet34, resnet18, efficientnet-b0)")
+    encoder_weights: str | None = Field("imagenet", description="pretrained encoder weights; null = random init")
+    decoder_channels: tuple[int, ...] = Field((256, 128, 64, 32, 16), description="UNet decoder widths, deep to shallow")
+    norm: Literal["batch", "frozen", "group"] = Field(
+        "batch", description="batch: BatchNorm as is; frozen: encoder norm layers in eval mode; group: GroupNorm"
+    )
+
+
+class TrainConfig(Section):
+    epochs: int = Field(15, ge=1, description="passes over the training folds")
+    micro_batch: int = Field(4, ge=1, description="images per forward/backward pass")
+    effective_batch: int = Field(16, ge=1, description="images per optimizer step (micro_batch x accumulation)")
+    lr: float = Field(3e-4, gt=0, description="peak AdamW learning rate")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="learning-rate shape after warmup, per step")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
+        "auto", description="autocast dtype; auto = bf16 on a CUDA GPU that supports it, else fp32"
+    )
+    grad_clip: float | None = Field(1.0, gt=0, description="max global gradient norm; null = no clipping")
+    dice_weight: float = Field(1.0, ge=0, description="loss = BCE + dice_weight x per-image soft Dice loss")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+
+    @model_validator(mode="after")
+    def _accumulation_divides(self):
+        if self.effective_batch % self.micro_batch:
+            raise ValueError(
+                f"train.effective_batch ({self.effective_batch}) must be a multiple of "
+                f"train.micro_batch ({self.micro_batch})"
+            )
+        return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.effective_batch // self.micro_batch
+
+
+class PredictConfig(Section):
+    threshold: tuple[float, float, float, float] = Field(
+        (0.5,) * 4, description="per-class probability threshold (Fish, Flower, Gravel, Sugar); one number = all"
+    )
+    min_area: tuple[int, int, int, int] = Field(
+        (0,) * 4, description="per-class minimum connected-component area in pixels at 350x525; one number = all"
+    )
+    batch_size: int = Field(4, ge=1, description="images per inference batch")
+
+    @field_validator("threshold", "min_area", mode="before")
+    @classmethod
+    def _one_per_class(cls, value):
+        return (value,) * len(LABELS) if isinstance(value, (int, float)) else value
+
+
+class Config(Section):
+    seed: int = Field(42, description="seed for weights, data order and augmentation")
+    data: DataConfig = DataConfig()
+    augment: AugmentConfig = AugmentConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    predict: PredictConfig = PredictConfig()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Config from a YAML file (or the defaults when path is None) plus `key=value` overrides."""
+    raw = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: config file not found")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a config file must be a mapping of sections")
+    return from_dict(apply_overrides(raw, overrides), source=str(path or "defaults"))
+
+
+def from_dict(raw: dict, source: str = "config") -> Config:
+    """Validated Config; ValueError lists every bad key as `section.key: problem`."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
+            + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e["input"], dict) else "")
+            for e in error.errors()
+        )
+        raise ValueError(f"{source}: {problems.replace('Extra inputs are not permitted', 'unknown key')}") from None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Copy of `raw` with each `a.b=value` set; values parse as YAML (null, [1400, 2100], true)."""
+    raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {override!r} is not of the form section.key=value")
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {override!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(text) if text.strip() else ""
+    return raw
+
+
+def dump(config: Config) -> str:
+    """The config as YAML (loadable again with `load_config`)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def describe() -> str:
+    """Every key with its type, default and one-line doc."""
+    lines = []
+    for section_name, section in Config.model_fields.items():
+        if not isinstance(section.default, BaseModel):
+            lines.append(f"{section_name} = {section.default!r}  # {section.description}")
+            continue
+        for name, field in type(section.default).model_fields.items():
+            lines.append(f"{section_name}.{name} = {field.default!r}  # {field.description}")
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""The network: a segmentation-models-pytorch UNet behind a uint8-in, logits-out wrapper."""
+
+from __future__ import annotations
+
+import math
+
+import segmentation_models_pytorch as smp
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from cloudseg.config import ModelConfig
+from cloudseg.data import crop, pad
+from cloudseg.task import LABELS
+
+# Every smp ImageNet encoder uses these (asking smp for them would query the model hub).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class CloudNet(nn.Module):
+    """uint8 RGB images (N×3×H×W, any H, W) in; logits for the four labels (N×4×H×W) out.
+
+    Normalization runs on the model's device, so batches travel there as uint8 (4x fewer
+    bytes); padding to a multiple of 32 and the exact crop back happen here too.
+    """
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.unet = unet
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255, persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255, persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = (images.float() - self.mean) / self.std
+        return crop(self.unet(pad(x)), images.shape[-2:])
+
+
+def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
+    """The UNet of `config`; `pretrained=False` skips the weight download (e.g. before loading a checkpoint)."""
+    try:
+        unet = _unet(config, weights=None)  # a bad encoder name fails here, before any download
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"model.encoder={config.encoder!r} is not an smp encoder: {str(error)[:160]}...") from None
+    if pretrained and config.encoder_weights is not None:
+        unet = _download_weights(config)
+    if config.norm == "group":
+        batchnorm_to_groupnorm(unet)
+    return CloudNet(unet)
+
+
+def _unet(config: ModelConfig, weights: str | None) -> nn.Module:
+    return smp.Unet(
+        encoder_name=config.encoder,
+        encoder_weights=weights,
+        decoder_channels=tuple(config.decoder_channels),
+        encoder_depth=len(config.decoder_channels),
+        classes=len(LABELS),
+    )
+
+
+def _download_weights(config: ModelConfig) -> nn.Module:
+    try:
+        return _unet(config, weights=config.encoder_weights)
+    except Exception as error:  # network, hub and cache errors come in many classes
+        raise RuntimeError(
+            f"could not get the {config.encoder_weights!r} weights for encoder {config.encoder!r} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "Without internet access, set model.encoder_weights=null to train from random weights, "
+            "or pre-fill the model cache (HF_HOME, TORCH_HOME) on a machine that has access."
+        ) from error
+
+
+def batchnorm_to_groupnorm(module: nn.Module) -> None:
+    """Replace every BatchNorm2d in place by a GroupNorm over the same channels (32 groups or fewer)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            channels = child.num_features
+            setattr(module, name, nn.GroupNorm(math.gcd(32, channels), channels, eps=child.eps))
+        else:
+            batchnorm_to_groupnorm(child)
+
+
+def train_mode(model: CloudNet, norm: str) -> None:
+    """model.train(), except that `norm: frozen` keeps the encoder's norm layers in eval mode."""
+    model.train()
+    if norm == "frozen":
+        for module in model.unet.encoder.modules():
+            if isinstance(module, _BatchNorm):
+                module.eval()
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA GPU is visible; use train.device=auto or cpu")
+    return torch.device(name)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `train.precision` (None = plain fp32); auto = bf16 on CUDA when supported."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Mixed-precision context for `dtype` (a no-op for None)."""
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)

@@ -1,0 +1,82 @@
+"""Inference: probabilities from one or several checkpoints, and the Kaggle submission."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from cloudseg import rle
+from cloudseg.checkpoint import load_checkpoint
+from cloudseg.config import Config, apply_overrides, from_dict
+from cloudseg.data import CloudDataset, test_image_ids
+from cloudseg.files import atomic_path
+from cloudseg.metrics import resize_probs
+from cloudseg.model import CloudNet, autocast, autocast_dtype, build_model, resolve_device
+from cloudseg.postprocess import postprocess
+from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
+
+log = logging.getLogger("cloudseg")
+
+
+@torch.no_grad()
+def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Sigmoid probabilities (N×4×H×W, float32) at the images' own size; pad and crop live in the model."""
+    with autocast(images.device, dtype):
+        logits = model(images)
+    return logits.float().sigmoid()
+
+
+def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config]:
+    """A model rebuilt from a checkpoint alone (no config file, no weight download)."""
+    state = load_checkpoint(path)
+    config = from_dict(state["config"], source=f"{path} (saved config)")
+    model = build_model(config.model, pretrained=False)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), config
+
+
+def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: list[str] = ()) -> Path:
+    """Average the checkpoints' probabilities at 350×525, post-process, write a checked submission."""
+    device = resolve_device("auto")
+    loaded = [load_model(path, device) for path in checkpoints]
+    models = [model for model, _ in loaded]
+    config = from_dict(apply_overrides(loaded[0][1].model_dump(mode="json"), overrides), source="predict overrides")
+    data_dir = data_dir or config.data.dir
+    dtype = autocast_dtype(config.train.precision, device)
+    dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size)
+    loader = DataLoader(dataset, batch_size=config.predict.batch_size, num_workers=config.data.num_workers,
+                        pin_memory=device.type == "cuda")
+    rows = []
+    for batch in tqdm(loader, desc="predict", unit="batch", disable=None):
+        images = batch["image"].to(device, non_blocking=True)
+        # Average at submission size: memory stays flat however many checkpoints there are.
+        probs = sum(resize_probs(predict_probs(model, images, dtype)) for model in models) / len(models)
+        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area)
+        for image_id, image_masks in zip(batch["image_id"], masks):
+            rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
+    path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)
+    log.info("wrote %s (%d rows) from %d checkpoint(s)", path, len(rows), len(models))
+    return path
+
+
+def write_submission(rows: list[tuple[str, str]], sample_path: Path, out: str | Path) -> Path:
+    """Write rows in the order of sample_submission.csv after checking they form a valid submission."""
+    submission = pd.DataFrame(rows, columns=[ID_COLUMN, RLE_COLUMN]).set_index(ID_COLUMN)
+    expected = [image_label(i, label) for i in test_image_ids(sample_path.parent) for label in LABELS]
+    if len(submission) != len(expected) or set(submission.index) != set(expected):
+        raise ValueError(f"submission has {len(submission)} rows, {sample_path} asks for {len(expected)}")
+    submission = submission.loc[expected]
+    for key, encoded in submission[RLE_COLUMN].items():
+        try:
+            rle.decode(encoded, SUBMISSION_SHAPE)
+        except ValueError as error:  # a bug if it ever happens: never write a file Kaggle rejects
+            raise ValueError(f"submission row {key} does not decode at 350x525: {error}") from None
+    with atomic_path(out) as tmp:
+        submission.reset_index().to_csv(tmp, index=False)
+    return Path(out)

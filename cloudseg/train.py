@@ -1,0 +1,219 @@
+"""Training at native resolution with gradient accumulation that equals the big batch.
+
+An optimizer step consumes one *window* of `effective_batch` images, fed as micro-batches of
+`micro_batch` images. Each micro-batch's loss is the sum of its per-image losses over the
+number of images in the whole window, so the accumulated gradient is exactly the gradient of
+the window's mean loss, also for the short last window of an epoch (which never borrows
+images from the next epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from cloudseg.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from cloudseg.config import Config, dump
+from cloudseg.data import CloudDataset, EpochSampler, build_transform, load_folds, split_by_fold
+from cloudseg.files import atomic_path
+from cloudseg.metrics import dice, resize_masks, resize_probs, summarize
+from cloudseg.model import autocast, autocast_dtype, build_model, resolve_device, train_mode
+from cloudseg.postprocess import postprocess
+from cloudseg.predict import predict_probs
+from cloudseg.task import LABELS
+
+log = logging.getLogger("cloudseg")
+
+
+# ---------------------------------------------------------------------------------- loss
+
+
+def per_image_loss(logits: torch.Tensor, masks: torch.Tensor, dice_weight: float = 1.0) -> torch.Tensor:
+    """BCE + soft Dice loss for each image (shape N), so that losses add up across micro-batches.
+
+    The soft Dice is per image and per class, then averaged: smp's DiceLoss pools the batch,
+    and a mean of micro-batch pooled Dice losses is not the pooled Dice of the window.
+    """
+    target = masks.float()
+    bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none").mean((1, 2, 3))
+    probs = logits.sigmoid()
+    overlap, total = (probs * target).sum((2, 3)), (probs + target).sum((2, 3))
+    soft_dice = 1 - (2 * overlap + 1) / (total + 1)
+    return bce + dice_weight * soft_dice.mean(1)
+
+
+# ---------------------------------------------------------------------------------- one step
+
+
+def windows(loader, accumulation_steps: int):
+    """Group an epoch's micro-batches into optimizer windows; the last one may be short."""
+    batches = iter(loader)
+    while window := list(itertools.islice(batches, accumulation_steps)):
+        yield window
+
+
+def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_weight) -> tuple[float, float]:
+    """Accumulate one window's gradient, then take one optimizer step; returns (loss, grad norm)."""
+    window_images = sum(len(batch["image"]) for batch in window)
+    window_loss = torch.zeros((), device=device)
+    for batch in window:
+        images = batch["image"].to(device, non_blocking=True)
+        masks = batch["mask"].to(device, non_blocking=True)
+        with autocast(device, dtype):
+            logits = model(images)
+        # This micro-batch's share of the window mean: sum of its per-image losses / window size.
+        loss = per_image_loss(logits.float(), masks, dice_weight).sum() / window_images
+        scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
+        window_loss += loss.detach()
+    scaler.unscale_(optimizer)  # once per window, so clipping sees the true gradient
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    scaler.step(optimizer)  # fp16: skipped when the gradient overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return window_loss.item(), grad_norm.item()
+
+
+def lr_schedule(optimizer, train_config, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then cosine to zero or constant; stepped once per optimizer step."""
+    warmup = train_config.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if train_config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+@torch.no_grad()
+def validate(model, loader, device, dtype, config: Config) -> dict[str, float]:
+    """Validation loss at native size and Kaggle Dice (mean and per class) at 350×525."""
+    model.eval()
+    losses, pair_dice = [], []
+    for batch in loader:
+        images, masks = batch["image"].to(device), batch["mask"].to(device)
+        probs = predict_probs(model, images, dtype)
+        losses.append(per_image_loss(torch.logit(probs, eps=1e-6), masks, config.train.dice_weight).cpu())
+        small = resize_probs(probs).cpu().numpy()
+        pred = postprocess(small, config.predict.threshold, config.predict.min_area)
+        pair_dice.append(dice(pred, resize_masks(masks).cpu().numpy()))
+    summary = summarize(np.concatenate(pair_dice))
+    return {"valid_loss": torch.cat(losses).mean().item(), "dice": summary["dice"],
+            **{f"dice_{label}": summary[label] for label in LABELS}}
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataFrame:
+    """Train `config` into `run_dir` (or continue it from last.pt); returns metrics per epoch."""
+    run_dir = Path(run_dir)
+    device = resolve_device(config.train.device)
+    dtype = autocast_dtype(config.train.precision, device)
+    seed_everything(config.seed)
+    train_set, valid_set = datasets(config)
+    config.data.image_size = train_set.image_size  # resolved, so inference needs no image
+    model = build_model(config.model).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
+    steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
+    scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    start_epoch, step, history = 0, 0, []
+    if resume:
+        state = load_checkpoint(run_dir / "last.pt")
+        for part, saved in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+            saved.load_state_dict(state[part])
+        restore_rng_states(state["rng"])
+        start_epoch, step, history = state["epoch"], state["step"], state["metrics"]
+        log.info("resuming %s after epoch %d (step %d)", run_dir, start_epoch, step)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_path(run_dir / "config.yaml") as tmp:
+            tmp.write_text(dump(config))
+    sampler = EpochSampler(len(train_set), config.seed)
+    train_loader = loader(train_set, config, device, sampler=sampler)
+    valid_loader = loader(valid_set, config, device)
+    log.info("training %d images, validating %d (fold %d) at %dx%d on %s, %s; %d micro-batches of %d per step",
+             len(train_set), len(valid_set), config.data.fold, *train_set.image_size, device,
+             dtype or "fp32", config.train.accumulation_steps, config.train.micro_batch)
+    for epoch in range(start_epoch, config.train.epochs):
+        sampler.set_epoch(epoch)
+        train_mode(model, config.model.norm)
+        started, losses, images = time.perf_counter(), [], 0
+        bar = tqdm(windows(train_loader, config.train.accumulation_steps), total=steps_per_epoch,
+                   desc=f"epoch {epoch + 1}/{config.train.epochs}", unit="step", disable=None)
+        for window in bar:
+            loss, _ = train_step(model, window, optimizer, scaler, device, dtype,
+                                 config.train.grad_clip, config.train.dice_weight)
+            scheduler.step()
+            step += 1
+            losses.append(loss)
+            images += sum(len(batch["image"]) for batch in window)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                            img_s=f"{images / (time.perf_counter() - started):.2f}")
+        seconds = time.perf_counter() - started
+        row = {"epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0], "train_loss": float(np.mean(losses)),
+               **validate(model, valid_loader, device, dtype, config),
+               "images_per_s": images / seconds, "peak_memory_mb": peak_memory_mb(device)}
+        history.append(row)
+        log.info("epoch %d: " + ", ".join(f"{k} %.4g" for k in list(row)[2:]), epoch + 1, *list(row.values())[2:])
+        write_metrics(history, run_dir / "metrics.csv")
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch + 1,
+                 "step": step, "rng": rng_states(), "config": config.model_dump(mode="json"), "metrics": history}
+        save_checkpoint(run_dir / "last.pt", state)
+        if row["dice"] >= max(r["dice"] for r in history):
+            save_checkpoint(run_dir / "best.pt", state)
+    return pd.DataFrame(history)
+
+
+def datasets(config: Config) -> tuple[CloudDataset, CloudDataset]:
+    """Training folds (augmented) and the held-out fold of `config.data`."""
+    folds = load_folds(config.data.dir, config.data.n_folds, config.seed)
+    train_ids, valid_ids = split_by_fold(folds, config.data.fold)
+    transform = build_transform(**config.augment.model_dump())
+    train_set = CloudDataset(config.data.dir, "train", train_ids, transform, config.data.image_size)
+    valid_set = CloudDataset(config.data.dir, "train", valid_ids, None, train_set.image_size)
+    return train_set, valid_set
+
+
+def loader(dataset, config: Config, device, sampler=None) -> DataLoader:
+    workers = config.data.num_workers
+    return DataLoader(dataset, batch_size=config.train.micro_batch, sampler=sampler, num_workers=workers,
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak CUDA memory allocated on a GPU; on CPU, the process's peak resident memory."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def write_metrics(history: list[dict], path: Path) -> None:
+    with atomic_path(path) as tmp:
+        pd.DataFrame(history).to_csv(tmp, index=False)
