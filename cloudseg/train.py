@@ -73,8 +73,9 @@ def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_
         masks = batch["mask"].to(device, non_blocking=True)
         with autocast(device, dtype):
             logits = model(images)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # loss in >= fp32
         # This micro-batch's share of the window mean: sum of its per-image losses / window size.
-        loss = per_image_loss(logits.float(), masks, dice_weight).sum() / window_images
+        loss = per_image_loss(logits, masks, dice_weight).sum() / window_images
         scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
         window_loss += loss.detach()
     scaler.unscale_(optimizer)  # once per window, so clipping sees the true gradient

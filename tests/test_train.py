@@ -1,0 +1,228 @@
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cloudseg import train as train_module
+from cloudseg.checkpoint import load_checkpoint
+from cloudseg.cli import main
+from cloudseg.config import ModelConfig, from_dict, load_config
+from cloudseg.model import build_model, train_mode
+from cloudseg.postprocess import postprocess, remove_small_components
+from cloudseg.predict import write_submission
+from cloudseg.train import train
+
+TINY = [
+    "data.num_workers=0", "data.n_folds=3", "model.decoder_channels=[16,8,8,8,8]",
+    "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1",
+]
+
+
+@pytest.fixture
+def data(tiny_data, tmp_path):
+    return shutil.copytree(tiny_data, tmp_path / "data")
+
+
+def tiny_config(data, *more):
+    return load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, *more])
+
+
+def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *TINY]) == 0
+    assert {"best.pt", "last.pt", "config.yaml", "metrics.csv", "train.log"} <= {p.name for p in run.iterdir()}
+    metrics = pd.read_csv(run / "metrics.csv")
+    assert metrics["epoch"].tolist() == [1, 2]
+    assert {"train_loss", "valid_loss", "dice", "dice_Fish", "dice_Sugar", "lr", "images_per_s", "peak_memory_mb"} <= set(metrics)
+    assert metrics["dice"].between(0, 1).all()
+    saved = load_config(run / "config.yaml")
+    assert saved.data.image_size == (64, 96)  # resolved from the data and saved
+    best = load_checkpoint(run / "best.pt")
+    assert best["epoch"] == metrics.loc[metrics["dice"].idxmax(), "epoch"]
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "config", "metrics"} <= set(best)
+
+    sub = tmp_path / "submission.csv"
+    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(sub)]) == 0
+    frame = pd.read_csv(sub, keep_default_na=False)
+    expected = pd.read_csv(data / "sample_submission.csv")["Image_Label"]
+    assert frame["Image_Label"].tolist() == expected.tolist()
+    assert main(["evaluate", "--submission", str(sub), "--truth", str(data / "test_solution.csv")]) == 0
+    assert "mean Dice" in capsys.readouterr().out
+
+
+def test_existing_run_is_not_overwritten(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "last.pt").write_bytes(b"x")
+    assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *TINY]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_resumed_run_ends_with_the_same_parameters_as_a_straight_run(data, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train(tiny_config(data), straight)
+
+    real_validate, calls = train_module.validate, []
+
+    def crash_in_epoch_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_validate(*args, **kwargs)
+
+    interrupted = tmp_path / "interrupted"
+    monkeypatch.setattr(train_module, "validate", crash_in_epoch_two)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(data), interrupted)
+    assert load_checkpoint(interrupted / "last.pt")["epoch"] == 1
+    monkeypatch.setattr(train_module, "validate", real_validate)
+    assert main(["train", "--resume", str(interrupted)]) == 0
+
+    a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(interrupted / "last.pt")
+    assert a["step"] == b["step"] and b["epoch"] == 2
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert pd.read_csv(interrupted / "metrics.csv")["epoch"].tolist() == [1, 2]
+
+
+def test_scheduler_and_optimizer_step_once_per_window(data, tmp_path):
+    config = tiny_config(data, "train.epochs=3")
+    train(config, tmp_path / "run")
+    state = load_checkpoint(tmp_path / "run" / "last.pt")
+    train_images = 24 - int((pd.read_csv(data / "folds.csv")["fold"] == 0).sum())
+    windows_per_epoch = -(-train_images // 4)
+    assert state["step"] == 3 * windows_per_epoch
+    assert state["scheduler"]["last_epoch"] == state["step"]
+    adam_steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {state["step"]}  # AdamW's own counter agrees
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lrr=0.1", "train.lrr: unknown key"),
+        ("train.epochs=ten", "train.epochs: .*integer"),
+        ("train.effective_batch=10", r"effective_batch \(10\) must be a multiple of train.micro_batch \(4\)"),
+        ("model.norm=layer", "model.norm: .*'batch', 'frozen' or 'group'"),
+        ("train.precision=fp8", "train.precision"),
+        ("nonsense", "not of the form"),
+    ],
+)
+def test_config_errors_name_the_key(override, message, capsys):
+    with pytest.raises(ValueError, match=message):
+        load_config("configs/fullres.yaml", [override])
+    assert main(["train", "-c", "configs/fullres.yaml", override]) == 2
+    assert "cloudseg: error:" in capsys.readouterr().err
+
+
+def test_unknown_key_in_yaml_is_an_error(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  epochs: 2\n  epoch: 3\n")
+    with pytest.raises(ValueError, match=r"c\.yaml: train\.epoch: unknown key"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_shipped_configs_say_what_the_issue_asks():
+    full = load_config("configs/fullres.yaml")
+    assert full.data.image_size == (1400, 2100) and full.model.encoder == "resnet34"
+    assert full.model.encoder_weights == "imagenet" and full.train.precision == "auto"
+    assert (full.train.micro_batch, full.train.effective_batch, full.train.accumulation_steps) == (4, 16, 4)
+    demo = load_config("configs/demo.yaml")
+    assert demo.data.image_size is None and demo.model.encoder_weights is None
+
+
+def test_overrides_parse_as_yaml_and_round_trip():
+    config = load_config("configs/demo.yaml", ["data.image_size=[128, 192]", "predict.threshold=0.3", "train.grad_clip=null"])
+    assert config.data.image_size == (128, 192) and config.predict.threshold == (0.3,) * 4
+    assert config.train.grad_clip is None
+    assert from_dict(config.model_dump(mode="json")) == config
+
+
+# ---------------------------------------------------------------- model
+
+
+def small_model(**kw):
+    return build_model(ModelConfig(encoder="resnet18", encoder_weights=None, decoder_channels=(16, 8, 8, 8, 8), **kw))
+
+
+def test_model_takes_uint8_at_any_size_and_crops_back():
+    model = small_model().eval()
+    images = torch.randint(0, 256, (2, 3, 50, 70), dtype=torch.uint8)
+    with torch.no_grad():
+        assert model(images).shape == (2, 4, 50, 70)
+
+
+def test_frozen_norm_keeps_encoder_statistics():
+    model = small_model(norm="frozen")
+    before = model.unet.encoder.bn1.running_mean.clone()
+    decoder_bn = next(m for m in model.unet.decoder.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    decoder_before = decoder_bn.running_mean.clone()
+    train_mode(model, "frozen")
+    model(torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8))
+    assert torch.equal(model.unet.encoder.bn1.running_mean, before)
+    assert not torch.equal(decoder_bn.running_mean, decoder_before)  # the decoder still adapts
+
+
+def test_group_norm_replaces_every_batchnorm():
+    model = small_model(norm="group")
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules()) > 10
+
+
+def test_offline_weight_download_says_what_to_do(monkeypatch):
+    from cloudseg import model as model_module
+
+    real = model_module._unet
+
+    def offline(config, weights):
+        if weights:
+            raise ConnectionError("Name or service not known")
+        return real(config, weights)
+
+    monkeypatch.setattr(model_module, "_unet", offline)
+    with pytest.raises(RuntimeError, match=r"model\.encoder_weights=null.*pre-fill the model cache"):
+        build_model(ModelConfig(encoder="resnet18", encoder_weights="imagenet"))
+
+
+def test_bad_encoder_name_is_a_config_error():
+    with pytest.raises(ValueError, match="model.encoder='resnet999'"):
+        build_model(ModelConfig(encoder="resnet999", encoder_weights=None))
+
+
+# ---------------------------------------------------------------- post-processing and submission
+
+
+def test_threshold_per_class_and_min_area():
+    probs = np.zeros((1, 4, 10, 10), np.float32)
+    probs[0, :, :5, :5] = 0.6  # a 25-pixel blob in every class
+    probs[0, :, 8, 8] = 0.9  # and a 1-pixel speck
+    masks = postprocess(probs, thresholds=(0.5, 0.7, 0.5, 0.5), min_areas=(0, 0, 2, 30))
+    assert masks[0, 0].sum() == 26  # both kept
+    assert masks[0, 1].sum() == 1  # only the speck clears 0.7
+    assert masks[0, 2].sum() == 25  # speck removed, blob kept
+    assert masks[0, 3].sum() == 0  # blob smaller than 30
+
+
+def test_remove_small_components_uses_8_connectivity():
+    mask = np.zeros((5, 5), np.uint8)
+    mask[0, 0] = mask[1, 1] = mask[2, 2] = 1  # diagonal chain: one component of 3
+    assert remove_small_components(mask, 3).sum() == 3
+
+
+def test_submission_is_checked_before_it_is_written(tiny_data, tmp_path):
+    sample = tiny_data / "sample_submission.csv"
+    rows = pd.read_csv(sample, keep_default_na=False).assign(EncodedPixels="").values.tolist()
+    with pytest.raises(ValueError, match="rows"):
+        write_submission(rows[:-1], sample, tmp_path / "s.csv")
+    rows[0][1] = "1 999999"
+    with pytest.raises(ValueError, match="does not decode"):
+        write_submission(rows, sample, tmp_path / "s.csv")
+    assert not (tmp_path / "s.csv").exists()
+    rows[0][1] = "1 5"
+    write_submission(list(reversed(rows)), sample, tmp_path / "s.csv")
+    written = pd.read_csv(tmp_path / "s.csv", keep_default_na=False)
+    assert written["Image_Label"].tolist() == pd.read_csv(sample)["Image_Label"].tolist()
