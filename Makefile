@@ -6,9 +6,24 @@ PY      := $(VENV)/bin/python
 UV      := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 STAMP   := $(VENV)/.installed
 
-.PHONY: help install test test-all bench lock clean
+# make train: the real job on data/kaggle, or (when that is absent and DATA was not named)
+# the CPU demo on a synthetic dataset.
+CONFIG  ?= configs/fullres.yaml
+DATA    ?= data/kaggle
+SYNTH   := data/synthetic
+SYNTH_ARGS ?= --n-train 160 --n-test 40 --height 192 --width 288 --seed 0
+ARGS    ?=
+# make predict: the latest run unless RUN is named.
+RUN     ?= $(shell ls -td runs/*/ 2>/dev/null | head -1)
+SUBMISSION ?= submission.csv
+
+.PHONY: help install test test-all bench lock clean train predict data
 
 help:
+	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
+	@echo "               without data/kaggle: the synthetic demo) [ARGS='key=value ...']"
+	@echo "make predict   RUN's best.pt (default: latest run) -> $(SUBMISSION), scored when the data has a solution"
+	@echo "make data      download the Kaggle data into data/kaggle (needs Kaggle API credentials)"
 	@echo "make install   create .venv (uv) with cloudseg and its dev extras"
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
@@ -40,3 +55,37 @@ lock: | $(UV)
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache
+
+train: $(STAMP)
+	@if [ -d "$(DATA)" ]; then \
+	  $(PY) -m cloudseg train -c $(CONFIG) data.dir=$(DATA) $(ARGS); \
+	elif [ "$(origin DATA)" != "file" ]; then \
+	  echo "make train: no data at DATA=$(DATA)"; exit 1; \
+	else \
+	  echo "################################################################################"; \
+	  echo "# $(DATA) not found: running the CPU DEMO on SYNTHETIC data in $(SYNTH)"; \
+	  echo "# (configs/demo.yaml). For the real job: make data, then make train."; \
+	  echo "################################################################################"; \
+	  [ -f $(SYNTH)/train.csv ] || $(PY) -m cloudseg synth --out $(SYNTH) $(SYNTH_ARGS) || exit 1; \
+	  $(PY) -m cloudseg train -c configs/demo.yaml data.dir=$(SYNTH) $(ARGS); \
+	fi
+
+predict: $(STAMP)
+	@if [ -z "$(RUN)" ] || [ ! -f "$(RUN)/best.pt" ]; then echo "make predict: no run with best.pt (run make train, or name RUN=runs/...)"; exit 1; fi
+	$(PY) -m cloudseg predict --checkpoint $(RUN)/best.pt --out $(SUBMISSION) $(ARGS)
+	@data_dir=$$($(PY) -c "from cloudseg.config import load_config; print(load_config('$(RUN)/config.yaml').data.dir)"); \
+	if [ -f "$$data_dir/test_solution.csv" ]; then \
+	  echo "scoring $(SUBMISSION) against $$data_dir/test_solution.csv"; \
+	  $(PY) -m cloudseg evaluate --submission $(SUBMISSION) --truth $$data_dir/test_solution.csv; \
+	fi
+
+data: $(STAMP)
+	@if [ -z "$$KAGGLE_USERNAME$$KAGGLE_API_TOKEN" ] && [ ! -f ~/.kaggle/kaggle.json ] && [ ! -f ~/.config/kaggle/kaggle.json ]; then \
+	  echo "make data: no Kaggle API credentials. Create a token on kaggle.com (Settings > API),"; \
+	  echo "save it as ~/.kaggle/kaggle.json (chmod 600) or export KAGGLE_USERNAME and KAGGLE_KEY,"; \
+	  echo "accept the rules of the 'understanding_cloud_organization' competition, then run make data again."; \
+	  exit 1; fi
+	$(UV) pip install -q --python $(PY) kaggle
+	$(VENV)/bin/kaggle competitions download -c understanding_cloud_organization -p $(DATA)
+	$(PY) -m zipfile -e $(DATA)/understanding_cloud_organization.zip $(DATA)
+	rm $(DATA)/understanding_cloud_organization.zip
