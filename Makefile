@@ -14,7 +14,7 @@ SYNTH   := data/synthetic
 SYNTH_ARGS ?= --n-train 160 --n-test 40 --height 192 --width 288 --seed 0
 ARGS    ?=
 # make predict: the latest run unless RUN is named.
-RUN     ?= $(shell ls -td runs/*/ 2>/dev/null | head -1)
+RUN     ?= $(patsubst %/,%,$(shell ls -td runs/*/ 2>/dev/null | head -1))
 SUBMISSION ?= submission.csv
 
 .PHONY: help install test test-all bench lock clean train predict data

@@ -72,11 +72,16 @@ def _download_weights(config: ModelConfig) -> nn.Module:
 
 
 def batchnorm_to_groupnorm(module: nn.Module) -> None:
-    """Replace every BatchNorm2d in place by a GroupNorm over the same channels (32 groups or fewer)."""
+    """Replace every BatchNorm2d in place by a GroupNorm over the same channels (32 groups or fewer).
+
+    The learned scale and shift carry over; the running statistics have no GroupNorm analogue.
+    """
     for name, child in module.named_children():
         if isinstance(child, nn.BatchNorm2d):
-            channels = child.num_features
-            setattr(module, name, nn.GroupNorm(math.gcd(32, channels), channels, eps=child.eps))
+            group_norm = nn.GroupNorm(math.gcd(32, child.num_features), child.num_features, eps=child.eps)
+            if child.affine:
+                group_norm.load_state_dict({"weight": child.weight.detach(), "bias": child.bias.detach()})
+            setattr(module, name, group_norm)
         else:
             batchnorm_to_groupnorm(child)
 

@@ -133,6 +133,8 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     train_set, valid_set = datasets(config)
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
     model = build_model(config.model).to(device)
+    if config.model.norm == "frozen" and config.model.encoder_weights is None:
+        log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
     scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)

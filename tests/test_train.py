@@ -173,6 +173,19 @@ def test_group_norm_replaces_every_batchnorm():
     assert sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules()) > 10
 
 
+def test_group_norm_keeps_the_batchnorm_scale_and_shift():
+    from cloudseg.model import batchnorm_to_groupnorm
+
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 48, 1), torch.nn.BatchNorm2d(48))
+    with torch.no_grad():
+        block[1].weight.copy_(torch.linspace(0.5, 2, 48))
+        block[1].bias.copy_(torch.linspace(-1, 1, 48))
+    batchnorm_to_groupnorm(block)
+    assert isinstance(block[1], torch.nn.GroupNorm) and block[1].num_groups == 16  # gcd(32, 48)
+    assert torch.equal(block[1].weight, torch.linspace(0.5, 2, 48))
+    assert torch.equal(block[1].bias, torch.linspace(-1, 1, 48))
+
+
 def test_offline_weight_download_says_what_to_do(monkeypatch):
     from cloudseg import model as model_module
 
@@ -226,3 +239,13 @@ def test_submission_is_checked_before_it_is_written(tiny_data, tmp_path):
     write_submission(list(reversed(rows)), sample, tmp_path / "s.csv")
     written = pd.read_csv(tmp_path / "s.csv", keep_default_na=False)
     assert written["Image_Label"].tolist() == pd.read_csv(sample)["Image_Label"].tolist()
+
+
+@pytest.mark.slow
+def test_full_resolution_forward_pads_to_1408x2112_and_crops_back():
+    model = build_model(ModelConfig(encoder="resnet34", encoder_weights=None)).eval()
+    seen = []
+    model.unet.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (1, 3, 1400, 2100), dtype=torch.uint8))
+    assert seen == [(1, 3, 1408, 2112)] and logits.shape == (1, 4, 1400, 2100)
