@@ -28,6 +28,7 @@ class DataConfig(Section):
         None, description="expected native [H, W] of every image; null = taken from the first image"
     )
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes")
+    prefetch_factor: int = Field(2, ge=1, description="micro-batches each worker loads ahead (with num_workers > 0)")
 
 
 class AugmentConfig(Section):
@@ -48,7 +49,9 @@ class ModelConfig(Section):
 
 class TrainConfig(Section):
     epochs: int = Field(15, ge=1, description="passes over the training folds")
-    micro_batch: int = Field(4, ge=1, description="images per forward/backward pass")
+    micro_batch: int | Literal["auto"] = Field(
+        4, description="images per forward/backward pass; auto = the largest that fits the GPU (probed)"
+    )
     effective_batch: int = Field(16, ge=1, description="images per optimizer step (micro_batch x accumulation)")
     lr: float = Field(3e-4, gt=0, description="peak AdamW learning rate")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay")
@@ -60,9 +63,17 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="max global gradient norm; null = no clipping")
     dice_weight: float = Field(1.0, ge=0, description="loss = BCE + dice_weight x per-image soft Dice loss")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    channels_last: bool = Field(True, description="NHWC memory format (faster convolutions on tensor cores)")
+    checkpointing: Literal["none", "encoder", "full"] = Field(
+        "none", description="recompute activations in backward: encoder blocks, or encoder and decoder blocks"
+    )
 
     @model_validator(mode="after")
     def _accumulation_divides(self):
+        if self.micro_batch == "auto":
+            return self
+        if self.micro_batch < 1:
+            raise ValueError(f"train.micro_batch must be at least 1 or auto, got {self.micro_batch}")
         if self.effective_batch % self.micro_batch:
             raise ValueError(
                 f"train.effective_batch ({self.effective_batch}) must be a multiple of "
@@ -72,7 +83,9 @@ class TrainConfig(Section):
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
+        """Micro-batches per optimizer step (once micro_batch is a number)."""
+        if self.micro_batch == "auto":
+            raise ValueError("train.micro_batch=auto is resolved when training starts")
         return self.effective_batch // self.micro_batch
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 
 from cloudseg.config import ModelConfig
 from cloudseg.data import crop, pad
@@ -25,15 +28,18 @@ class CloudNet(nn.Module):
     bytes); padding to a multiple of 32 and the exact crop back happen here too.
     """
 
-    def __init__(self, unet: nn.Module):
+    def __init__(self, unet: nn.Module, channels_last: bool = False):
         super().__init__()
         self.unet = unet
+        self.channels_last = channels_last
         self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255, persistent=False)
         self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255, persistent=False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = (images.float() - self.mean) / self.std
-        return crop(self.unet(pad(x)), images.shape[-2:])
+        x = pad((images.float() - self.mean) / self.std)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return crop(self.unet(x), images.shape[-2:])
 
 
 def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
@@ -114,3 +120,63 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """Mixed-precision context for `dtype` (a no-op for None)."""
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def prepare_for_training(model: CloudNet, channels_last: bool, checkpointing: str) -> CloudNet:
+    """Apply the memory and speed switches of `train.*` to a freshly built model."""
+    model.channels_last = channels_last
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    enable_checkpointing(model, checkpointing)
+    return model
+
+
+# ---------------------------------------------------------------------------------- checkpointing
+
+
+def enable_checkpointing(model: CloudNet, mode: str) -> list[nn.Module]:
+    """Recompute activations in backward instead of keeping them: `encoder` checkpoints each
+    encoder block, `full` also each decoder block (at full resolution the decoder's
+    activations dominate, and smp offers no switch for them). Returns the blocks."""
+    if mode == "none":
+        return []
+    parts = [model.unet.encoder] + ([model.unet.decoder] if mode == "full" else [])
+    blocks = [block for part in parts for block in _blocks(part)]
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block, block.forward)
+    return blocks
+
+
+def _blocks(module: nn.Module):
+    """The blocks of a network: members of its Sequential/ModuleList containers that hold
+    parameters and submodules (ResNet's BasicBlocks, MobileNet's InvertedResiduals, smp's
+    UNet decoder blocks), without descending into a block once found."""
+    for child in module.children():
+        is_block = any(True for _ in child.children()) and any(True for _ in child.parameters())
+        if isinstance(module, (nn.Sequential, nn.ModuleList)) and is_block:
+            yield child
+        else:
+            yield from _blocks(child)
+
+
+def _checkpointed(block: nn.Module, forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    recompute = functools.partial(_norm_statistics_kept, block)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=lambda: (contextlib.nullcontext(), recompute()), **kwargs)
+
+
+@contextlib.contextmanager
+def _norm_statistics_kept(block: nn.Module):
+    """Around the recomputation in backward: BatchNorm computes the same output from the same
+    batch, but must not update its running statistics a second time."""
+    norms = [m for m in block.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    saved = [{name: buffer.clone() for name, buffer in m.named_buffers(recurse=False)} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, buffers in zip(norms, saved):
+                for name, value in buffers.items():
+                    getattr(module, name).copy_(value)
