@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. predict.threshold=0.45")
     predict.set_defaults(run=run_predict)
 
+    memory = commands.add_parser("memory", help="GPU memory of a training step and the micro-batch that fits each card")
+    memory.add_argument("-c", "--config", required=True, help="YAML config")
+    memory.add_argument("--micro-batch", type=int, help="micro-batch of the breakdown (default: the config's, or 4)")
+    memory.add_argument("overrides", nargs="*", metavar="key=value")
+    memory.set_defaults(run=run_memory)
+
     config = commands.add_parser("config", help="print a resolved config, or every key with its doc")
     config.add_argument("-c", "--config", help="YAML config")
     config.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
@@ -140,3 +146,13 @@ def run_config(args) -> None:
     from cloudseg.config import describe, dump, load_config
 
     print(describe() if args.keys else dump(load_config(args.config, args.overrides)), end="\n")
+
+
+def run_memory(args) -> None:
+    from cloudseg.config import load_config
+    from cloudseg.memory import report
+    from cloudseg.model import resolve_device
+
+    config = load_config(args.config, args.overrides)
+    micro_batch = args.micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 4)
+    print(report(config, micro_batch, resolve_device(config.train.device)))

@@ -29,7 +29,8 @@ from cloudseg.config import Config, dump
 from cloudseg.data import CloudDataset, EpochSampler, build_transform, load_folds, split_by_fold
 from cloudseg.files import atomic_path
 from cloudseg.metrics import dice, resize_masks, resize_probs, summarize
-from cloudseg.model import autocast, autocast_dtype, build_model, resolve_device, train_mode
+from cloudseg.memory import resolve_micro_batch
+from cloudseg.model import autocast, autocast_dtype, build_model, prepare_for_training, resolve_device, train_mode
 from cloudseg.postprocess import postprocess
 from cloudseg.predict import predict_probs
 from cloudseg.task import LABELS
@@ -64,11 +65,24 @@ def windows(loader, accumulation_steps: int):
         yield window
 
 
-def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_weight) -> tuple[float, float]:
-    """Accumulate one window's gradient, then take one optimizer step; returns (loss, grad norm)."""
+def split(window: list[dict], micro_batch: int | None) -> list[dict]:
+    """The window's batches cut into micro-batches of at most `micro_batch` images, in order."""
+    if micro_batch is None:
+        return window
+    return [{key: value[start : start + micro_batch] for key, value in batch.items()}
+            for batch in window for start in range(0, len(batch["image"]), micro_batch)]
+
+
+def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_weight,
+               micro_batch: int | None = None) -> tuple[float, float]:
+    """Accumulate one window's gradient, then take one optimizer step; returns (loss, grad norm).
+
+    `micro_batch` re-cuts the window's batches smaller (after an out-of-memory error): the
+    weights are per image, so the update does not change.
+    """
     window_images = sum(len(batch["image"]) for batch in window)
     window_loss = torch.zeros((), device=device)
-    for batch in window:
+    for batch in split(window, micro_batch):
         images = batch["image"].to(device, non_blocking=True)
         masks = batch["mask"].to(device, non_blocking=True)
         with autocast(device, dtype):
@@ -84,6 +98,29 @@ def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return window_loss.item(), grad_norm.item()
+
+
+def resilient_step(model, window, optimizer, scaler, device, dtype, train_config, micro_batch: int):
+    """`train_step` that survives CUDA out-of-memory: halve the micro-batch (doubling the
+    accumulation) and redo the interrupted window from its start, so the update is the one
+    it would have been. Returns (loss, grad norm, micro-batch now in use)."""
+    norm_statistics = {name: b.clone() for name, b in model.named_buffers()
+                       if name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")}
+    while True:
+        try:
+            loss, grad_norm = train_step(model, window, optimizer, scaler, device, dtype,
+                                         train_config.grad_clip, train_config.dice_weight, micro_batch)
+            return loss, grad_norm, micro_batch
+        except torch.cuda.OutOfMemoryError:
+            if micro_batch == 1:
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            model.load_state_dict(norm_statistics, strict=False)  # undo the failed attempt's BatchNorm updates
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            micro_batch //= 2
+            log.warning("CUDA out of memory: micro-batch now %d, accumulation %d; redoing the window",
+                        micro_batch, train_config.effective_batch // micro_batch)
 
 
 def lr_schedule(optimizer, train_config, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -133,8 +170,10 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     train_set, valid_set = datasets(config)
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
     model = build_model(config.model).to(device)
+    prepare_for_training(model, config.train.channels_last, config.train.checkpointing)
     if config.model.norm == "frozen" and config.model.encoder_weights is None:
         log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
+    config.train.micro_batch = resolve_micro_batch(config, model, train_set.image_size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
     scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
@@ -157,6 +196,7 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     log.info("training %d images, validating %d (fold %d) at %dx%d on %s, %s; %d micro-batches of %d per step",
              len(train_set), len(valid_set), config.data.fold, *train_set.image_size, device,
              dtype or "fp32", config.train.accumulation_steps, config.train.micro_batch)
+    micro_batch = config.train.micro_batch
     for epoch in range(start_epoch, config.train.epochs):
         sampler.set_epoch(epoch)
         train_mode(model, config.model.norm)
@@ -164,8 +204,8 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
         bar = tqdm(windows(train_loader, config.train.accumulation_steps), total=steps_per_epoch,
                    desc=f"epoch {epoch + 1}/{config.train.epochs}", unit="step", disable=None)
         for window in bar:
-            loss, _ = train_step(model, window, optimizer, scaler, device, dtype,
-                                 config.train.grad_clip, config.train.dice_weight)
+            loss, _, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype,
+                                                  config.train, micro_batch)
             scheduler.step()
             step += 1
             losses.append(loss)
@@ -201,7 +241,8 @@ def datasets(config: Config) -> tuple[CloudDataset, CloudDataset]:
 def loader(dataset, config: Config, device, sampler=None) -> DataLoader:
     workers = config.data.num_workers
     return DataLoader(dataset, batch_size=config.train.micro_batch, sampler=sampler, num_workers=workers,
-                      pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                      prefetch_factor=config.data.prefetch_factor if workers else None)
 
 
 def seed_everything(seed: int) -> None:

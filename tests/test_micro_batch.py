@@ -1,0 +1,118 @@
+"""Micro-batch auto, out-of-memory recovery and the memory report."""
+
+import shutil
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from cloudseg import train as train_module
+from cloudseg.checkpoint import load_checkpoint
+from cloudseg.cli import main
+from cloudseg.config import load_config
+from cloudseg.memory import StepMemory, estimate, largest_fitting, resolve_micro_batch
+from cloudseg.train import resilient_step, train, windows
+from tests.test_accumulation import CPU, Images, assert_same_parameters, model_and_sgd
+from tests.test_train import TINY
+
+
+def limit_memory(model, limit, after=0):
+    """A fake allocator limit: micro-batches above `limit` images that need gradients raise CUDA
+    out-of-memory, from the `after`-th such forward on. Patches `model.forward` in place."""
+    forward, calls = model.forward, []
+
+    def limited(images):
+        if torch.is_grad_enabled() and len(images) > limit:
+            calls.append(1)
+            if len(calls) > after:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return forward(images)
+
+    model.forward = limited
+    return model
+
+
+def run_windows(model, optimizer, micro_batch, n_images=8, accumulation=2, loader_batch=4):
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    config = load_config(None, [f"train.effective_batch={loader_batch * accumulation}",
+                                f"train.micro_batch={loader_batch}", "train.grad_clip=null"])
+    for window in windows(DataLoader(Images(n_images), batch_size=loader_batch), accumulation):
+        _, _, micro_batch = resilient_step(model, window, optimizer, scaler, CPU, None, config.train, micro_batch)
+    return micro_batch
+
+
+def test_oom_mid_window_halves_the_micro_batch_and_redoes_the_window_exactly():
+    reference, reference_sgd = model_and_sgd()
+    run_windows(reference, reference_sgd, micro_batch=1)
+    net, sgd = model_and_sgd()
+    limit_memory(net, limit=1, after=1)  # the second micro-batch of the first window fails
+    assert run_windows(net, sgd, micro_batch=4) == 1  # 4 -> 2 -> 1
+    assert_same_parameters(net, reference)
+
+
+def test_oom_at_micro_batch_one_is_raised():
+    net, sgd = model_and_sgd()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        run_windows(limit_memory(net, limit=0), sgd, micro_batch=2)
+
+
+def test_training_run_that_hits_oom_ends_like_one_that_never_did(tiny_data, tmp_path, monkeypatch, caplog):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    options = [f"data.dir={data}", *TINY, "model.norm=group"]  # no batch statistics: exact comparison
+    train(load_config("configs/demo.yaml", options + ["train.micro_batch=1"]), tmp_path / "never")
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: limit_memory(real_build(*a, **k), 1, after=1))
+    train(load_config("configs/demo.yaml", options + ["train.micro_batch=2"]), tmp_path / "recovered")
+    never, recovered = load_checkpoint(tmp_path / "never/last.pt"), load_checkpoint(tmp_path / "recovered/last.pt")
+    assert never["step"] == recovered["step"]
+    for name, tensor in never["model"].items():
+        assert torch.equal(tensor, recovered["model"][name]), name
+    assert "micro-batch now 1, accumulation 4; redoing the window" in caplog.text
+
+
+def test_largest_fitting_takes_the_biggest_candidate_under_the_margin():
+    peaks = {1: 3e9, 2: 5e9, 4: 9e9, 8: 17e9, 16: None}  # None: out of memory
+
+    def peak_of(n):
+        if peaks[n] is None:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return peaks[n]
+
+    assert largest_fitting([1, 2, 4, 8, 16], peak_of, capacity_bytes=11e9) == 4  # 9 <= 0.9 * 11
+    assert largest_fitting([1, 2, 4, 8, 16], peak_of, capacity_bytes=9.5e9) == 2  # 9 > 0.9 * 9.5
+    with pytest.raises(RuntimeError, match="not even a micro-batch of 1"):
+        largest_fitting([1, 2], peak_of, capacity_bytes=2e9)
+
+
+def test_auto_keeps_the_effective_batch():
+    config = load_config("configs/demo.yaml", ["train.micro_batch=auto", "train.effective_batch=12"])
+    micro_batch = resolve_micro_batch(config, None, (64, 96), CPU)
+    assert micro_batch == 4 and 12 % micro_batch == 0
+
+
+def test_step_memory_arithmetic():
+    step = StepMemory(weights=1e9, gradients=1e9, optimizer=2e9, activations_per_image=2e9)
+    assert step.peak(3) == 10e9
+    assert step.largest_micro_batch(11e9) == 2  # 0.9 * 11 - 4 = 5.9 -> 2 images
+    assert step.largest_micro_batch(4e9) == 0
+
+
+def test_estimate_orders_the_modes_and_scales_with_precision_and_area():
+    config = load_config("configs/demo.yaml", ["model.encoder=resnet18", "train.precision=fp32"])
+    small = estimate(config, (128, 192))
+    assert small["full"].activations_per_image < small["encoder"].activations_per_image < small["none"].activations_per_image
+    half = estimate(config.model_copy(update={"train": config.train.model_copy(update={"precision": "bf16"})}), (128, 192))
+    ratio = half["none"].activations_per_image / small["none"].activations_per_image
+    assert 0.45 < ratio <= 0.55
+    big = estimate(config, (256, 384))
+    assert big["none"].activations_per_image / small["none"].activations_per_image == pytest.approx(4, rel=0.02)
+    assert big["none"].weights == small["none"].weights and big["none"].optimizer == 2 * big["none"].weights
+
+
+def test_memory_command_runs_on_cpu_for_the_demo_config(capsys):
+    assert main(["memory", "-c", "configs/demo.yaml", "--micro-batch", "4", "data.image_size=[128,192]"]) == 0
+    out = capsys.readouterr().out
+    assert "estimated on CPU" in out and "breakdown at micro-batch 4" in out
+    for mode in ("none", "encoder", "full"):
+        assert any(line.startswith(mode) for line in out.splitlines())
+    assert "80 GB" in out and "11 GB" in out
