@@ -27,7 +27,7 @@ help:
 	@echo "make install   create .venv (uv) with cloudseg and its dev extras"
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
-	@echo "make bench     print benchmark tables (RLE codec)"
+	@echo "make bench     print benchmark tables (RLE codec, training and inference speed)"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
 
 install: $(STAMP)
@@ -49,6 +49,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/rle_speed.py
+	$(PY) benchmarks/train_speed.py
 
 lock: | $(UV)
 	$(UV) pip compile -q pyproject.toml --extra dev --python-version 3.11 -o requirements.txt

@@ -97,6 +97,9 @@ class PredictConfig(Section):
         (0,) * 4, description="per-class minimum connected-component area in pixels at 350x525; one number = all"
     )
     batch_size: int = Field(4, ge=1, description="images per inference batch")
+    tta: Literal["none", "hflip", "hvflip", "d4-lite"] = Field(
+        "none", description="flip test-time augmentation (validation too): d4-lite = identity, h, v and hv flips"
+    )
 
     @field_validator("threshold", "min_area", mode="before")
     @classmethod

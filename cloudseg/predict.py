@@ -24,12 +24,26 @@ from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, 
 log = logging.getLogger("cloudseg")
 
 
+# Test-time augmentation: the flips (dims of an N×C×H×W batch) whose predictions are averaged.
+TTA_FLIPS = {
+    "none": [()],
+    "hflip": [(), (-1,)],
+    "hvflip": [(), (-1,), (-2,)],
+    "d4-lite": [(), (-1,), (-2,), (-2, -1)],
+}
+
+
 @torch.no_grad()
-def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Sigmoid probabilities (N×4×H×W, float32) at the images' own size; pad and crop live in the model."""
-    with autocast(images.device, dtype):
-        logits = model(images)
-    return logits.float().sigmoid()
+def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | None = None,
+                  tta: str = "none") -> torch.Tensor:
+    """Sigmoid probabilities (N×4×H×W, float32) at the images' own size, averaged over the
+    `tta` flips (each prediction flipped back first). Pad and crop live in the model."""
+    probs = torch.zeros((), device=images.device)
+    for dims in TTA_FLIPS[tta]:
+        with autocast(images.device, dtype):
+            logits = model(images.flip(dims) if dims else images)
+        probs = probs + (logits.float().sigmoid().flip(dims) if dims else logits.float().sigmoid())
+    return probs / len(TTA_FLIPS[tta])
 
 
 def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config]:
@@ -56,7 +70,8 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     for batch in tqdm(loader, desc="predict", unit="batch", disable=None):
         images = batch["image"].to(device, non_blocking=True)
         # Average at submission size: memory stays flat however many checkpoints there are.
-        probs = sum(resize_probs(predict_probs(model, images, dtype)) for model in models) / len(models)
+        probs = sum(resize_probs(predict_probs(model, images, dtype, config.predict.tta)) for model in models)
+        probs = probs / len(models)
         masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area)
         for image_id, image_masks in zip(batch["image_id"], masks):
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]

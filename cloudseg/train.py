@@ -148,7 +148,7 @@ def validate(model, loader, device, dtype, config: Config) -> dict[str, float]:
     losses, pair_dice = [], []
     for batch in loader:
         images, masks = batch["image"].to(device), batch["mask"].to(device)
-        probs = predict_probs(model, images, dtype)
+        probs = predict_probs(model, images, dtype, config.predict.tta)
         losses.append(per_image_loss(torch.logit(probs, eps=1e-6), masks, config.train.dice_weight).cpu())
         small = resize_probs(probs).cpu().numpy()
         pred = postprocess(small, config.predict.threshold, config.predict.min_area)

@@ -249,3 +249,18 @@ def test_full_resolution_forward_pads_to_1408x2112_and_crops_back():
     with torch.no_grad():
         logits = model(torch.randint(0, 256, (1, 3, 1400, 2100), dtype=torch.uint8))
     assert seen == [(1, 3, 1408, 2112)] and logits.shape == (1, 4, 1400, 2100)
+
+
+@pytest.mark.parametrize("tta", ["hflip", "hvflip", "d4-lite"])
+def test_tta_unflips_exactly(tta):
+    """A model that is flip-equivariant by construction gives the same probabilities with TTA;
+    a model that is not (a fixed position bias) shows the average of the flipped views."""
+    from cloudseg.predict import TTA_FLIPS, predict_probs
+
+    images = torch.randint(0, 256, (2, 3, 6, 8), dtype=torch.uint8)
+    equivariant = lambda x: (x.float()[:, :1].repeat(1, 4, 1, 1) - 128) / 64  # pixel-wise: commutes with flips
+    np.testing.assert_allclose(predict_probs(equivariant, images, tta=tta), predict_probs(equivariant, images), atol=1e-6)
+    ramp = torch.arange(8.0).expand(2, 4, 6, 8)
+    positional = lambda x: ramp - 3.5  # depends on the column only
+    expected = sum(torch.sigmoid(ramp - 3.5).flip(d) if d else torch.sigmoid(ramp - 3.5) for d in TTA_FLIPS[tta])
+    np.testing.assert_allclose(predict_probs(positional, images, tta=tta), expected / len(TTA_FLIPS[tta]), atol=1e-6)

@@ -1,0 +1,25 @@
+"""The benchmark scripts stay runnable (at a tiny size on CPU; their figures are not checked)."""
+
+import json
+import subprocess
+import sys
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=True).stdout
+
+
+def test_training_benchmark_prints_its_table(tmp_path):
+    out = run("benchmarks/train_speed.py", "--height", "64", "--width", "96", "--encoder", "resnet18",
+              "--micro-batch", "2", "--effective-batch", "4", "--steps", "1", "--warmup", "1",
+              "--loader-size", "64", "96", "--loader-images", "2", "--json", str(tmp_path / "b.json"))
+    for row in ("a. textbook loop", "b. cloudseg default", "c. cloudseg checkpointing=full", "d. Lightning"):
+        assert row in out
+    assert "e. data loading:" in out and "4-flip TTA" in out and "3698 test images" in out
+    figures = json.loads((tmp_path / "b.json").read_text())
+    assert figures["rows"]["a. textbook loop (fp32)"][0] > 0 and figures["loader_samples_per_s_per_core"] > 0
+
+
+def test_rle_benchmark_prints_its_table():
+    out = run("benchmarks/rle_speed.py", "--repeat", "2")
+    assert "decode ms" in out and "4 boxes" in out
