@@ -17,12 +17,19 @@ ARGS    ?=
 RUN     ?= $(patsubst %/,%,$(shell ls -td runs/*/ 2>/dev/null | head -1))
 SUBMISSION ?= submission.csv
 
-.PHONY: help install test test-all bench lock clean train predict data
+# make cv / make submit: one run per fold under CV_DIR, tuned together.
+FOLDS   ?= 0 1 2 3 4
+CV_DIR  ?= runs/cv
+
+.PHONY: help install test test-all bench lock clean train predict data cv tune submit
 
 help:
 	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
 	@echo "               without data/kaggle: the synthetic demo) [ARGS='key=value ...']"
 	@echo "make predict   RUN's best.pt (default: latest run) -> $(SUBMISSION), scored when the data has a solution"
+	@echo "make cv        train every fold in FOLDS into CV_DIR/foldK, then tune on their OOF probabilities"
+	@echo "               (demo without data/kaggle: folds 0 and 1 of the synthetic data)"
+	@echo "make submit    all folds of CV_DIR + postprocess.json -> $(SUBMISSION), scored when possible"
 	@echo "make data      download the Kaggle data into data/kaggle (needs Kaggle API credentials)"
 	@echo "make install   create .venv (uv) with cloudseg and its dev extras"
 	@echo "make test      install if needed, run the fast test suite"
@@ -49,6 +56,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/rle_speed.py
+	$(PY) benchmarks/tune_speed.py
 	$(PY) benchmarks/train_speed.py
 
 lock: | $(UV)
@@ -90,3 +98,31 @@ data: $(STAMP)
 	$(VENV)/bin/kaggle competitions download -c understanding_cloud_organization -p $(DATA)
 	$(PY) -m zipfile -e $(DATA)/understanding_cloud_organization.zip $(DATA)
 	rm $(DATA)/understanding_cloud_organization.zip
+
+# Without the Kaggle data (and no DATA named), cv runs the demo: folds 0 and 1 on synthetic data.
+cv: $(STAMP)
+	@if [ -d "$(DATA)" ]; then config=$(CONFIG); data=$(DATA); folds="$(FOLDS)"; \
+	elif [ "$(origin DATA)" != "file" ]; then echo "make cv: no data at DATA=$(DATA)"; exit 1; \
+	else echo "### $(DATA) not found: cross-validating the CPU DEMO on SYNTHETIC data (folds 0 1) ###"; \
+	  config=configs/demo.yaml; data=$(SYNTH); folds="$(if $(filter command line,$(origin FOLDS)),$(FOLDS),0 1)"; \
+	  [ -f $(SYNTH)/train.csv ] || $(PY) -m cloudseg synth --out $(SYNTH) $(SYNTH_ARGS) || exit 1; fi; \
+	for k in $$folds; do \
+	  if [ -f $(CV_DIR)/fold$$k/oof.npz ]; then echo "fold $$k: done ($(CV_DIR)/fold$$k)"; continue; fi; \
+	  if [ -f $(CV_DIR)/fold$$k/last.pt ]; then resume="--resume $(CV_DIR)/fold$$k"; else resume="-c $$config --out $(CV_DIR)/fold$$k"; fi; \
+	  $(PY) -m cloudseg train $$resume data.dir=$$data data.fold=$$k $(ARGS) || exit 1; \
+	done
+	$(MAKE) --no-print-directory tune
+
+tune: $(STAMP)
+	$(PY) -m cloudseg tune $(wildcard $(CV_DIR)/fold*) --out $(CV_DIR)/postprocess.json
+
+submit: $(STAMP)
+	@checkpoints="$$(for f in $(wildcard $(CV_DIR)/fold*/best.pt); do printf -- '--checkpoint %s ' $$f; done)"; \
+	if [ -z "$$checkpoints" ]; then echo "make submit: no $(CV_DIR)/fold*/best.pt (run make cv)"; exit 1; fi; \
+	post=$$( [ -f $(CV_DIR)/postprocess.json ] && echo "--postprocess $(CV_DIR)/postprocess.json" ); \
+	$(PY) -m cloudseg predict $$checkpoints $$post --out $(SUBMISSION) $(ARGS) || exit 1; \
+	first=$$(ls $(CV_DIR)/fold*/config.yaml | head -1); \
+	data_dir=$$($(PY) -c "from cloudseg.config import load_config; print(load_config('$$first').data.dir)"); \
+	if [ -f "$$data_dir/test_solution.csv" ]; then \
+	  echo "scoring $(SUBMISSION) against $$data_dir/test_solution.csv"; \
+	  $(PY) -m cloudseg evaluate --submission $(SUBMISSION) --truth $$data_dir/test_solution.csv; fi

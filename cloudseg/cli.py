@@ -63,8 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--checkpoint", action="append", required=True, help="best.pt or last.pt; repeat to ensemble")
     predict.add_argument("--data-dir", help="Kaggle-layout folder (default: the data the checkpoint trained on)")
     predict.add_argument("--out", default="submission.csv")
+    predict.add_argument("--postprocess", metavar="FILE", help="postprocess.json from cloudseg tune")
     predict.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. predict.threshold=0.45")
     predict.set_defaults(run=run_predict)
+
+    oof = commands.add_parser("oof", help="write a checkpoint's out-of-fold probabilities (training does this too)")
+    oof.add_argument("--checkpoint", required=True)
+    oof.add_argument("--out", help="default: oof.npz beside the checkpoint")
+    oof.set_defaults(run=run_oof)
+
+    tune = commands.add_parser("tune", help="search per-class threshold, min area and empty-mask gate on OOF probabilities")
+    tune.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs with oof.npz (e.g. every fold)")
+    tune.add_argument("--out", help="default: postprocess.json beside the first run directory")
+    tune.set_defaults(run=run_tune)
 
     memory = commands.add_parser("memory", help="GPU memory of a training step and the micro-batch that fits each card")
     memory.add_argument("-c", "--config", required=True, help="YAML config")
@@ -138,8 +149,20 @@ def run_train(args) -> None:
 def run_predict(args) -> None:
     from cloudseg.predict import predict
 
-    path = predict(args.checkpoint, args.data_dir, args.out, args.overrides)
+    path = predict(args.checkpoint, args.data_dir, args.out, args.overrides, args.postprocess)
     print(f"wrote {path}")
+
+
+def run_oof(args) -> None:
+    from cloudseg.oof import oof_from_checkpoint
+
+    print(f"wrote {oof_from_checkpoint(args.checkpoint, args.out)}")
+
+
+def run_tune(args) -> None:
+    from cloudseg.tune import table, tune
+
+    print(table(tune(args.run_dirs, args.out)))
 
 
 def run_config(args) -> None:

@@ -36,6 +36,7 @@ class AugmentConfig(Section):
     vflip: float = Field(0.5, ge=0, le=1, description="probability of a vertical flip")
     shift_scale_rotate: float = Field(0.0, ge=0, le=1, description="probability of a small shift/scale/rotation")
     brightness_contrast: float = Field(0.0, ge=0, le=1, description="probability of a brightness/contrast change")
+    nodata_band: float = Field(0.0, ge=0, le=1, description="probability of a black no-data band (labels removed under it)")
 
 
 class ModelConfig(Section):
@@ -96,12 +97,16 @@ class PredictConfig(Section):
     min_area: tuple[int, int, int, int] = Field(
         (0,) * 4, description="per-class minimum connected-component area in pixels at 350x525; one number = all"
     )
+    gate: tuple[float, float, float, float] = Field(
+        (0.0,) * 4, description="per-class empty-mask gate: keep a mask only if its top-1000 mean probability clears it"
+    )
     batch_size: int = Field(4, ge=1, description="images per inference batch")
+    zero_black: bool = Field(False, description="zero the probabilities where the image is black (no-data bands)")
     tta: Literal["none", "hflip", "hvflip", "d4-lite"] = Field(
         "none", description="flip test-time augmentation (validation too): d4-lite = identity, h, v and hv flips"
     )
 
-    @field_validator("threshold", "min_area", mode="before")
+    @field_validator("threshold", "min_area", "gate", mode="before")
     @classmethod
     def _one_per_class(cls, value):
         return (value,) * len(LABELS) if isinstance(value, (int, float)) else value

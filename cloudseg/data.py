@@ -229,12 +229,22 @@ def build_transform(
     vflip: float = 0.5,
     shift_scale_rotate: float = 0.0,
     brightness_contrast: float = 0.0,
+    nodata_band: float = 0.0,
+    image_size: tuple[int, int] | None = None,
 ) -> A.Compose | None:
     """Training augmentation: each argument is the probability of that transform (0 = off).
 
     Geometry keeps the native size; masks move with the image, resampled nearest-neighbour.
+    `nodata_band` blacks out a vertical band 5-15% of the width (needs `image_size`) and
+    removes the labels under it, as in the real swath gaps.
     """
     steps = []
+    if nodata_band:
+        if image_size is None:
+            raise ValueError("augment.nodata_band needs the image size")
+        width = image_size[1]
+        steps.append(A.XYMasking(num_masks_x=(1, 1), mask_x_length=(max(1, width // 20), max(1, width * 3 // 20)),
+                                 fill=0, fill_mask=0, p=nodata_band))
     if hflip:
         steps.append(A.HorizontalFlip(p=hflip))
     if vflip:

@@ -33,17 +33,29 @@ TTA_FLIPS = {
 }
 
 
+BLACK_LEVEL = 10  # a pixel whose channels are all at most this is no-data (JPEG leaves a little noise)
+
+
 @torch.no_grad()
 def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | None = None,
-                  tta: str = "none") -> torch.Tensor:
+                  tta: str = "none", zero_black: bool = False) -> torch.Tensor:
     """Sigmoid probabilities (N×4×H×W, float32) at the images' own size, averaged over the
-    `tta` flips (each prediction flipped back first). Pad and crop live in the model."""
+    `tta` flips (each prediction flipped back first), and zero on black no-data pixels when
+    `zero_black`. Pad and crop live in the model. Validation, OOF and test use this alone."""
     probs = torch.zeros((), device=images.device)
     for dims in TTA_FLIPS[tta]:
         with autocast(images.device, dtype):
             logits = model(images.flip(dims) if dims else images)
         probs = probs + (logits.float().sigmoid().flip(dims) if dims else logits.float().sigmoid())
-    return probs / len(TTA_FLIPS[tta])
+    probs = probs / len(TTA_FLIPS[tta])
+    if zero_black:
+        probs = probs.masked_fill(no_data(images), 0.0)
+    return probs
+
+
+def no_data(images: torch.Tensor) -> torch.Tensor:
+    """N×1×H×W: True where every channel of the uint8 image is at most BLACK_LEVEL."""
+    return (images <= BLACK_LEVEL).all(dim=1, keepdim=True)
 
 
 def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config]:
@@ -55,12 +67,16 @@ def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config
     return model.to(device).eval(), config
 
 
-def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: list[str] = ()) -> Path:
-    """Average the checkpoints' probabilities at 350×525, post-process, write a checked submission."""
+def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: list[str] = (),
+            postprocess_file: str | None = None) -> Path:
+    """Average the checkpoints' probabilities at 350×525, post-process (with the tuned rule of
+    `postprocess_file` when given), write a checked submission."""
     device = resolve_device("auto")
     loaded = [load_model(path, device) for path in checkpoints]
     models = [model for model, _ in loaded]
-    config = from_dict(apply_overrides(loaded[0][1].model_dump(mode="json"), overrides), source="predict overrides")
+    tuned = [f"predict.{key}={value}" for key, value in read_postprocess(postprocess_file).items()] if postprocess_file else []
+    config = from_dict(apply_overrides(loaded[0][1].model_dump(mode="json"), [*tuned, *overrides]),
+                       source="predict overrides")
     data_dir = data_dir or config.data.dir
     dtype = autocast_dtype(config.train.precision, device)
     dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size)
@@ -70,9 +86,10 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     for batch in tqdm(loader, desc="predict", unit="batch", disable=None):
         images = batch["image"].to(device, non_blocking=True)
         # Average at submission size: memory stays flat however many checkpoints there are.
-        probs = sum(resize_probs(predict_probs(model, images, dtype, config.predict.tta)) for model in models)
+        probs = sum(resize_probs(predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black))
+                    for model in models)
         probs = probs / len(models)
-        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area)
+        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate)
         for image_id, image_masks in zip(batch["image_id"], masks):
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
     path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)
@@ -95,3 +112,17 @@ def write_submission(rows: list[tuple[str, str]], sample_path: Path, out: str | 
     with atomic_path(out) as tmp:
         submission.reset_index().to_csv(tmp, index=False)
     return Path(out)
+
+
+def read_postprocess(path: str | Path) -> dict[str, list]:
+    """The tuned rule of a postprocess.json (written by `cloudseg tune`): threshold, min_area, gate."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: post-processing file not found (cloudseg tune writes it)")
+    try:
+        rule = json.loads(path.read_text())
+        return {key: json.dumps(rule[key]) for key in ("threshold", "min_area", "gate")}
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a cloudseg postprocess.json ({type(error).__name__}: {error})") from None

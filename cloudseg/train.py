@@ -30,6 +30,7 @@ from cloudseg.data import CloudDataset, EpochSampler, build_transform, load_fold
 from cloudseg.files import atomic_path
 from cloudseg.metrics import dice, resize_masks, resize_probs, summarize
 from cloudseg.memory import resolve_micro_batch
+from cloudseg.oof import OOF_FILE, predict_oof, write_oof
 from cloudseg.model import autocast, autocast_dtype, build_model, prepare_for_training, resolve_device, train_mode
 from cloudseg.postprocess import postprocess
 from cloudseg.predict import predict_probs
@@ -148,10 +149,10 @@ def validate(model, loader, device, dtype, config: Config) -> dict[str, float]:
     losses, pair_dice = [], []
     for batch in loader:
         images, masks = batch["image"].to(device), batch["mask"].to(device)
-        probs = predict_probs(model, images, dtype, config.predict.tta)
+        probs = predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black)
         losses.append(per_image_loss(torch.logit(probs, eps=1e-6), masks, config.train.dice_weight).cpu())
         small = resize_probs(probs).cpu().numpy()
-        pred = postprocess(small, config.predict.threshold, config.predict.min_area)
+        pred = postprocess(small, config.predict.threshold, config.predict.min_area, config.predict.gate)
         pair_dice.append(dice(pred, resize_masks(masks).cpu().numpy()))
     summary = summarize(np.concatenate(pair_dice))
     return {"valid_loss": torch.cat(losses).mean().item(), "dice": summary["dice"],
@@ -225,15 +226,23 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
         save_checkpoint(run_dir / "last.pt", state)
         if row["dice"] >= max(r["dice"] for r in history):
             save_checkpoint(run_dir / "best.pt", state)
+    write_best_oof(model, config, device, run_dir)
     return pd.DataFrame(history)
+
+
+def write_best_oof(model, config: Config, device, run_dir: Path) -> None:
+    """The held-out fold's probabilities from best.pt, for `cloudseg tune` (oof.npz)."""
+    model.load_state_dict(load_checkpoint(run_dir / "best.pt")["model"])
+    write_oof(run_dir / OOF_FILE, *predict_oof(model, config, device))
+    log.info("wrote %s", run_dir / OOF_FILE)
 
 
 def datasets(config: Config) -> tuple[CloudDataset, CloudDataset]:
     """Training folds (augmented) and the held-out fold of `config.data`."""
     folds = load_folds(config.data.dir, config.data.n_folds, config.seed)
     train_ids, valid_ids = split_by_fold(folds, config.data.fold)
-    transform = build_transform(**config.augment.model_dump())
-    train_set = CloudDataset(config.data.dir, "train", train_ids, transform, config.data.image_size)
+    train_set = CloudDataset(config.data.dir, "train", train_ids, None, config.data.image_size)
+    train_set.transform = build_transform(**config.augment.model_dump(), image_size=train_set.image_size)
     valid_set = CloudDataset(config.data.dir, "train", valid_ids, None, train_set.image_size)
     return train_set, valid_set
 

@@ -23,3 +23,8 @@ def test_training_benchmark_prints_its_table(tmp_path):
 def test_rle_benchmark_prints_its_table():
     out = run("benchmarks/rle_speed.py", "--repeat", "2")
     assert "decode ms" in out and "4 boxes" in out
+
+
+def test_tuning_benchmark_prints_its_table():
+    out = run("benchmarks/tune_speed.py", "--images", "4")
+    assert "total" in out and "Sugar" in out

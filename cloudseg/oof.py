@@ -1,0 +1,77 @@
+"""Out-of-fold probabilities: each held-out image's probabilities at 350×525, stored once, so
+tuning and ensembling never need the model again.
+
+An OOF file (`oof.npz`) holds `image_ids`, `probs` (N×4×350×525 uint8, probability × 255)
+and `truth` (the true masks at 350×525, bit-packed along the last axis).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from cloudseg.config import Config
+from cloudseg.data import CloudDataset, load_folds, split_by_fold
+from cloudseg.files import atomic_path
+from cloudseg.metrics import resize_masks, resize_probs
+from cloudseg.model import autocast_dtype
+from cloudseg.postprocess import quantize
+from cloudseg.predict import load_model, predict_probs
+from cloudseg.task import SUBMISSION_SHAPE
+
+OOF_FILE = "oof.npz"
+
+
+@torch.no_grad()
+def predict_oof(model, config: Config, device) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(ids, uint8 probabilities, true masks) of the held-out fold of `config`, at 350×525."""
+    folds = load_folds(config.data.dir, config.data.n_folds, config.seed)
+    _, valid_ids = split_by_fold(folds, config.data.fold)
+    dataset = CloudDataset(config.data.dir, "train", valid_ids, None, config.data.image_size)
+    loader = DataLoader(dataset, batch_size=config.predict.batch_size, num_workers=config.data.num_workers)
+    dtype = autocast_dtype(config.train.precision, device)
+    model.eval()
+    probs, truth = [], []
+    for batch in tqdm(loader, desc="out-of-fold", unit="batch", disable=None):
+        images = batch["image"].to(device)
+        probs8 = quantize(resize_probs(predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black)).cpu().numpy())
+        probs.append(probs8)
+        truth.append(resize_masks(batch["mask"]).numpy().astype(bool))
+    return valid_ids, np.concatenate(probs), np.concatenate(truth)
+
+
+def write_oof(path: str | Path, image_ids, probs: np.ndarray, truth: np.ndarray) -> None:
+    if probs.dtype != np.uint8 or probs.shape[-2:] != SUBMISSION_SHAPE or probs.shape != truth.shape:
+        raise ValueError(f"OOF arrays must be uint8 probs and masks of equal shape (N, 4, 350, 525), "
+                         f"got {probs.dtype} {probs.shape} and {truth.shape}")
+    with atomic_path(path) as tmp, open(tmp, "wb") as file:
+        np.savez(file, image_ids=np.asarray(image_ids, dtype=str), probs=probs, truth=np.packbits(truth, axis=-1))
+
+
+def read_oof(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(image ids, uint8 probabilities, boolean true masks) of an OOF file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no out-of-fold file (training writes it; or run cloudseg oof)")
+    try:
+        with np.load(path) as data:
+            ids, probs, packed = data["image_ids"], data["probs"], data["truth"]
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"{path}: not a cloudseg OOF file ({error})") from None
+    truth = np.unpackbits(packed, axis=-1, count=probs.shape[-1]).astype(bool)
+    return ids, probs, truth
+
+
+def oof_from_checkpoint(checkpoint: str | Path, out: str | Path | None = None) -> Path:
+    """`cloudseg oof`: the held-out fold of a checkpoint's run, written beside it by default."""
+    from cloudseg.model import resolve_device
+
+    device = resolve_device("auto")
+    model, config = load_model(checkpoint, device)
+    out = Path(out) if out else Path(checkpoint).parent / OOF_FILE
+    write_oof(out, *predict_oof(model, config, device))
+    return out

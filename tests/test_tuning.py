@@ -1,0 +1,203 @@
+"""Out-of-fold files, the post-processing search, ensembles and no-data bands."""
+
+import json
+import shutil
+
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cloudseg.checkpoint import save_checkpoint
+from cloudseg.cli import main
+from cloudseg.config import Config
+from cloudseg.data import build_transform
+from cloudseg.metrics import dice
+from cloudseg.oof import read_oof, write_oof
+from cloudseg.postprocess import grid_scores, postprocess, quantize, top_k_mean
+from cloudseg.predict import BLACK_LEVEL, no_data, predict_probs
+from cloudseg.tune import tune
+
+SHAPE = (350, 525)
+
+
+def smooth_probs(n, seed):
+    rng = np.random.default_rng(seed)
+    fields = [cv2.GaussianBlur(rng.random(SHAPE).astype(np.float32), (0, 0), 10) for _ in range(n)]
+    return np.stack([(f - f.min()) / (f.max() - f.min()) for f in fields])
+
+
+def test_grid_scores_equal_postprocess_then_dice_on_every_cell():
+    rng = np.random.default_rng(0)
+    probs8 = quantize(smooth_probs(6, seed=1))
+    truth = smooth_probs(6, seed=2) > 0.55
+    truth[0] = False  # an image without this label
+    thresholds, areas, gates = (0.3, 0.5, 0.7), (0, 800, 4000), (0.0, 0.6, 0.9)
+    scores = grid_scores(probs8, truth, thresholds, areas, gates)
+    for t, a, g in np.ndindex(scores.shape):
+        masks = postprocess(probs8[:, None].repeat(4, 1), (thresholds[t],) * 4, (areas[a],) * 4, (gates[g],) * 4)
+        assert scores[t, a, g] == pytest.approx(dice(masks[:, 0], truth).mean(), abs=1e-12), (t, a, g)
+    assert len({round(v, 6) for v in scores.ravel()}) > 5  # the grid is not flat
+
+
+def fake_run(folder, ids, probs8, truth, **predict):
+    folder.mkdir(parents=True)
+    config = Config().model_dump(mode="json")
+    config["predict"].update(predict)
+    save_checkpoint(folder / "last.pt", {"model": {}, "config": config, "epoch": 1, "step": 1})
+    write_oof(folder / "oof.npz", ids, probs8, truth)
+    return folder
+
+
+def planted(n, threshold, seed=0):
+    """Probabilities whose truth is exactly `p > threshold` for Fish and Gravel; Flower and Sugar are empty."""
+    probs8 = np.zeros((n, 4, *SHAPE), np.uint8)
+    probs8[:, 0] = quantize(smooth_probs(n, seed))
+    probs8[:, 2] = quantize(smooth_probs(n, seed + 100))
+    probs8[:, 1] = quantize(0.3 * smooth_probs(n, seed + 200))  # never confident: gate or threshold it away
+    truth = probs8 > threshold * 255
+    truth[:, 1] = truth[:, 3] = False
+    return probs8, truth
+
+
+def test_tune_recovers_a_planted_threshold_and_never_lowers_the_cv_dice(tmp_path, capsys):
+    probs8, truth = planted(8, threshold=0.59)
+    ids = [f"{i}.jpg" for i in range(8)]
+    runs = [fake_run(tmp_path / "fold0", ids[:4], probs8[:4], truth[:4]),
+            fake_run(tmp_path / "fold1", ids[4:], probs8[4:], truth[4:])]
+    assert main(["tune", *map(str, runs)]) == 0
+    out = capsys.readouterr().out
+    assert "CV before" in out and "8 out-of-fold images from 2 run(s)" in out
+    result = json.loads((tmp_path / "postprocess.json").read_text())
+    assert result["threshold"][0] == 0.59 and result["threshold"][2] == 0.59
+    assert result["cv_dice"]["after"]["Fish"] == pytest.approx(1.0)
+    for label in ("Fish", "Flower", "Gravel", "Sugar", "mean"):
+        assert result["cv_dice"]["after"][label] >= result["cv_dice"]["before"][label]
+    assert result["cv_dice"]["after"]["Flower"] == pytest.approx(1.0)  # all-empty truth: the rule learns to say empty
+
+
+def test_untuned_rule_is_part_of_the_grid(tmp_path):
+    """A run whose own rule is off the grid is still scored exactly, so tuning cannot lose."""
+    probs8, truth = planted(4, threshold=0.5)
+    run = fake_run(tmp_path / "run", [f"{i}.jpg" for i in range(4)], probs8, truth, threshold=[0.501] * 4)
+    result = tune([run], tmp_path / "p.json")
+    masks = postprocess(probs8, [0.501] * 4, [0] * 4)
+    expected = dice(masks, truth).mean(0)
+    assert [result["cv_dice"]["before"][k] for k in ("Fish", "Flower", "Gravel", "Sugar")] == pytest.approx(expected)
+
+
+def test_runs_sharing_an_image_cannot_be_pooled(tmp_path):
+    probs8, truth = planted(2, threshold=0.5)
+    runs = [fake_run(tmp_path / f"r{i}", ["a.jpg", "b.jpg"], probs8, truth) for i in range(2)]
+    with pytest.raises(ValueError, match="out-of-fold in more than one run"):
+        tune(runs)
+
+
+def test_oof_files_round_trip(tmp_path):
+    probs8, truth = planted(3, threshold=0.4)
+    write_oof(tmp_path / "oof.npz", ["x.jpg", "y.jpg", "z.jpg"], probs8, truth)
+    ids, probs_back, truth_back = read_oof(tmp_path / "oof.npz")
+    assert ids.tolist() == ["x.jpg", "y.jpg", "z.jpg"]
+    assert np.array_equal(probs_back, probs8) and np.array_equal(truth_back, truth)
+    with pytest.raises(ValueError, match="uint8"):
+        write_oof(tmp_path / "bad.npz", ["x.jpg"], probs8[:1].astype(np.float32), truth[:1])
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a cloudseg OOF file"):
+        read_oof(tmp_path / "junk.npz")
+
+
+def test_gate_empties_masks_whose_top_probabilities_are_low():
+    probs = np.zeros((2, 4, 40, 40), np.float32)
+    probs[0, :, :10, :10] = 0.55  # weak
+    probs[1, :, :10, :10] = 0.95  # confident
+    masks = postprocess(probs, (0.5,) * 4, (0,) * 4, gates=(0.7,) * 4, top_k=50)
+    assert masks[0].sum() == 0 and masks[1, 0].sum() == 100
+    assert top_k_mean(quantize(probs), 50)[1, 0] == pytest.approx(242 / 255)
+
+
+# ---------------------------------------------------------------- no-data bands
+
+
+def test_no_data_mask_is_exactly_the_black_pixels():
+    images = torch.full((2, 3, 5, 6), 120, dtype=torch.uint8)
+    images[0, :, 1, 2] = BLACK_LEVEL  # black in every channel
+    images[0, :2, 3, 4] = 0  # black in two channels only: not no-data
+    images[1, :, :, 0] = 0
+    expected = torch.zeros(2, 1, 5, 6, dtype=torch.bool)
+    expected[0, 0, 1, 2] = True
+    expected[1, 0, :, 0] = True
+    assert torch.equal(no_data(images), expected)
+    constant = lambda x: torch.full((len(x), 4, *x.shape[-2:]), 3.0)  # sigmoid(3) everywhere
+    probs = predict_probs(constant, images, zero_black=True)
+    assert torch.equal(probs == 0, expected.expand(-1, 4, -1, -1))
+    assert torch.allclose(predict_probs(constant, images)[0, :, 1, 2], torch.sigmoid(torch.tensor(3.0)))
+
+
+def test_nodata_band_augmentation_blacks_out_a_band_and_its_labels():
+    transform = build_transform(hflip=0, vflip=0, nodata_band=1.0, image_size=(40, 100))
+    for seed in range(20):  # with probability 1, every draw has exactly one band
+        transform.set_random_seed(seed)
+        out = transform(image=np.full((40, 100, 3), 200, np.uint8), mask=np.ones((40, 100, 4), np.uint8))
+        black_columns = (out["image"] == 0).all(axis=(0, 2))
+        assert 5 <= black_columns.sum() <= 15, seed  # 5-15% of the width
+        assert (out["mask"][:, black_columns] == 0).all() and (out["mask"][:, ~black_columns] == 1).all()
+
+
+# ---------------------------------------------------------------- ensembles and tuned prediction
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    from cloudseg.config import load_config
+    from cloudseg.train import train
+    from tests.test_train import TINY
+
+    root = tmp_path_factory.mktemp("ensemble")
+    data = shutil.copytree(tiny_data, root / "data")
+    runs = []
+    for fold in (0, 1):
+        train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, "train.epochs=1", f"data.fold={fold}"]),
+              root / f"fold{fold}")
+        runs.append(root / f"fold{fold}")
+    return data, runs
+
+
+def submission(path):
+    return pd.read_csv(path, keep_default_na=False)
+
+
+def test_training_writes_the_held_out_fold_as_oof(trained):
+    data, runs = trained
+    folds = pd.read_csv(data / "folds.csv")
+    ids, probs8, truth = read_oof(runs[1] / "oof.npz")
+    assert sorted(ids.tolist()) == sorted(folds.loc[folds.fold == 1, "image_id"])
+    assert probs8.shape == (len(ids), 4, 350, 525) and truth.any()
+
+
+def test_ensemble_of_one_checkpoint_equals_the_checkpoint(trained, tmp_path):
+    _, runs = trained
+    best = str(runs[0] / "best.pt")
+    main(["predict", "--checkpoint", best, "--out", str(tmp_path / "one.csv")])
+    main(["predict", "--checkpoint", best, "--checkpoint", best, "--out", str(tmp_path / "twice.csv")])
+    main(["predict", "--checkpoint", best, "--checkpoint", str(runs[1] / "best.pt"), "--out", str(tmp_path / "two.csv")])
+    assert submission(tmp_path / "one.csv").equals(submission(tmp_path / "twice.csv"))
+    assert len(submission(tmp_path / "two.csv")) == len(submission(tmp_path / "one.csv"))
+
+
+def test_predict_applies_the_tuned_rule(trained, tmp_path):
+    _, runs = trained
+    rule = {"threshold": [1.0] * 4, "min_area": [0] * 4, "gate": [0.0] * 4}  # nothing clears a threshold of 1
+    (tmp_path / "p.json").write_text(json.dumps(rule))
+    assert main(["predict", "--checkpoint", str(runs[0] / "best.pt"), "--postprocess", str(tmp_path / "p.json"),
+                 "--out", str(tmp_path / "s.csv")]) == 0
+    assert (submission(tmp_path / "s.csv")["EncodedPixels"] == "").all()
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["predict", "--checkpoint", str(runs[0] / "best.pt"), "--postprocess", str(tmp_path / "bad.json")]) == 2
+
+
+def test_tune_on_trained_folds_then_submit(trained, tmp_path):
+    data, runs = trained
+    result = tune(runs, tmp_path / "postprocess.json")
+    assert result["images"] == len(pd.read_csv(data / "folds.csv").query("fold in (0, 1)"))
+    assert result["cv_dice"]["after"]["mean"] >= result["cv_dice"]["before"]["mean"]
