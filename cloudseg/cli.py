@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("overrides", nargs="*", metavar="key=value")
     memory.set_defaults(run=run_memory)
 
+    show = commands.add_parser("show", help="PNGs of images with their true (and predicted) masks")
+    show.add_argument("image_ids", nargs="+", metavar="IMAGE_ID", help="e.g. 0011165.jpg")
+    show.add_argument("--data-dir", default="data/kaggle")
+    show.add_argument("--submission", help="a Kaggle-format submission: its masks are drawn beside the truth")
+    show.add_argument("--out", default="pictures", help="folder for the PNGs")
+    show.set_defaults(run=run_show)
+
     config = commands.add_parser("config", help="print a resolved config, or every key with its doc")
     config.add_argument("-c", "--config", help="YAML config")
     config.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
@@ -179,3 +186,10 @@ def run_memory(args) -> None:
     config = load_config(args.config, args.overrides)
     micro_batch = args.micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 4)
     print(report(config, micro_batch, resolve_device(config.train.device)))
+
+
+def run_show(args) -> None:
+    from cloudseg.viz import show
+
+    for path in show(args.image_ids, args.data_dir, args.submission, args.out):
+        print(f"wrote {path}")

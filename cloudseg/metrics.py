@@ -68,7 +68,7 @@ def resize_probs(probs, shape: tuple[int, int] = SUBMISSION_SHAPE):
 
 def _resize(x, shape, mode, dtype):
     is_numpy = not isinstance(x, torch.Tensor)
-    tensor = torch.as_tensor(np.asarray(x) if is_numpy else x)
+    tensor = torch.as_tensor(np.ascontiguousarray(x) if is_numpy else x)  # also flipped views
     if tuple(tensor.shape[-2:]) == tuple(shape):
         return x
     lead = tensor.shape[:-2]

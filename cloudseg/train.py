@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from cloudseg.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
@@ -35,6 +36,7 @@ from cloudseg.model import autocast, autocast_dtype, build_model, prepare_for_tr
 from cloudseg.postprocess import postprocess
 from cloudseg.predict import predict_probs
 from cloudseg.task import LABELS
+from cloudseg.viz import plot_curves
 
 log = logging.getLogger("cloudseg")
 
@@ -191,6 +193,7 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
         run_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(run_dir / "config.yaml") as tmp:
             tmp.write_text(dump(config))
+    board = SummaryWriter(run_dir / "tb")  # `make tensorboard` shows it
     sampler = EpochSampler(len(train_set), config.seed)
     train_loader = loader(train_set, config, device, sampler=sampler)
     valid_loader = loader(valid_set, config, device)
@@ -220,12 +223,16 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
         history.append(row)
         log.info("epoch %d: " + ", ".join(f"{k} %.4g" for k in list(row)[2:]), epoch + 1, *list(row.values())[2:])
         write_metrics(history, run_dir / "metrics.csv")
+        for key, value in list(row.items())[2:]:
+            board.add_scalar(key, value, epoch + 1)
+        board.flush()
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch + 1,
                  "step": step, "rng": rng_states(), "config": config.model_dump(mode="json"), "metrics": history}
         save_checkpoint(run_dir / "last.pt", state)
         if row["dice"] >= max(r["dice"] for r in history):
             save_checkpoint(run_dir / "best.pt", state)
+    board.close()
     write_best_oof(model, config, device, run_dir)
     return pd.DataFrame(history)
 
@@ -268,5 +275,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def write_metrics(history: list[dict], path: Path) -> None:
+    """metrics.csv, and its picture curves.png beside it."""
     with atomic_path(path) as tmp:
         pd.DataFrame(history).to_csv(tmp, index=False)
+    with atomic_path(path.parent / "curves.png") as tmp:
+        plot_curves(pd.DataFrame(history), tmp)

@@ -134,3 +134,10 @@ def test_bad_submissions_get_clear_errors(tiny_data, tmp_path, capsys, edit, mes
     err = capsys.readouterr().err
     assert err.startswith("cloudseg: error:") and "bad.csv" in err
     assert __import__("re").search(message, err), err
+
+
+def test_resize_accepts_flipped_views():
+    mask = np.zeros((8, 8), np.uint8)
+    mask[:4, :2] = 1
+    np.testing.assert_array_equal(resize_masks(mask[::-1, ::-1], (2, 2)), [[0, 0], [0, 1]])
+    np.testing.assert_allclose(resize_probs(mask[::-1].astype(np.float32), (2, 2)), [[0, 0], [0.5, 0]])

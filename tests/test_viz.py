@@ -1,0 +1,72 @@
+import shutil
+
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+
+from cloudseg import rle
+from cloudseg.cli import main
+from cloudseg.data import read_train_csv
+from cloudseg.task import LABELS
+from cloudseg.viz import COLORS, LEGEND_HEIGHT
+
+
+def read_rgb(path):
+    return cv2.cvtColor(cv2.imread(str(path)), cv2.COLOR_BGR2RGB)
+
+
+def test_show_draws_truth_and_prediction_in_class_colours(tiny_data, tmp_path):
+    # a submission that predicts one Gravel box for the first test image
+    sample = pd.read_csv(tiny_data / "sample_submission.csv")
+    test_id = sample["Image_Label"].iloc[0].rsplit("_", 1)[0]
+    box = np.zeros((350, 525), np.uint8)
+    box[100:200, 150:350] = 1
+    rows = [(key, rle.encode(box) if key == f"{test_id}_Gravel" else "") for key in sample["Image_Label"]]
+    pd.DataFrame(rows, columns=["Image_Label", "EncodedPixels"]).to_csv(tmp_path / "sub.csv", index=False)
+    train_id = read_train_csv(tiny_data).index[0]
+    assert main(["show", train_id, test_id, "--data-dir", str(tiny_data), "--submission", str(tmp_path / "sub.csv"),
+                 "--out", str(tmp_path / "pics")]) == 0
+
+    picture = read_rgb(tmp_path / "pics" / f"{test_id[:-4]}.png")
+    assert picture.shape == (350 + LEGEND_HEIGHT, 2 * 525, 3)  # truth | prediction, over a legend
+    prediction = picture[:350, 525:].astype(int)
+    gravel = np.array(COLORS["Gravel"])
+    outline = np.abs(prediction - gravel).sum(-1) < 60
+    assert outline[100:200, 150:350].sum() > 300  # the box is drawn in Gravel's colour...
+    assert outline.sum() - outline[98:202, 148:352].sum() < 20  # ...and nowhere else
+    inside = prediction[120:180, 170:330].mean((0, 1))
+    assert inside[0] > prediction[10:60, 10:100].mean((0, 1))[0] + 20  # the fill is tinted
+
+    train_picture = read_rgb(tmp_path / "pics" / f"{train_id[:-4]}.png")
+    assert train_picture.shape == (350 + LEGEND_HEIGHT, 525, 3)  # a train image has only its truth
+    truth = read_train_csv(tiny_data).loc[train_id]
+    present = [label for label in LABELS if truth[label]]
+    for label in present:  # every class of the truth shows its colour
+        assert (np.abs(train_picture[:350].astype(int) - np.array(COLORS[label])).sum(-1) < 60).sum() > 20, label
+
+
+def test_show_names_a_test_image_missing_from_the_submission(tiny_data, tmp_path, capsys):
+    sample = pd.read_csv(tiny_data / "sample_submission.csv")
+    sample.iloc[4:].to_csv(tmp_path / "partial.csv", index=False)
+    test_id = sample["Image_Label"].iloc[0].rsplit("_", 1)[0]
+    assert main(["show", test_id, "--data-dir", str(tiny_data), "--submission", str(tmp_path / "partial.csv"),
+                 "--out", str(tmp_path)]) == 2
+    assert test_id in capsys.readouterr().err
+
+
+def test_training_writes_curves_and_tensorboard_events(tiny_data, tmp_path):
+    from cloudseg.config import load_config
+    from cloudseg.train import train
+    from tests.test_train import TINY
+
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY]), tmp_path / "run")
+    curves = cv2.imread(str(tmp_path / "run" / "curves.png"))
+    assert curves is not None and curves.shape[0] > 100 and curves.shape[1] > 400
+    events = list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    assert events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(tmp_path / "run" / "tb")).Reload().Tags()["scalars"]
+    assert {"train_loss", "valid_loss", "dice", "dice_Fish", "lr"} <= set(scalars)
