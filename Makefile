@@ -21,7 +21,7 @@ SUBMISSION ?= submission.csv
 FOLDS   ?= 0 1 2 3 4
 CV_DIR  ?= runs/cv
 
-.PHONY: help install test test-all bench lock clean train predict data cv tune submit
+.PHONY: help install test test-all bench lock clean train predict data cv tune submit tensorboard notebooks lab
 
 help:
 	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
@@ -31,6 +31,9 @@ help:
 	@echo "               (demo without data/kaggle: folds 0 and 1 of the synthetic data)"
 	@echo "make submit    all folds of CV_DIR + postprocess.json -> $(SUBMISSION), scored when possible"
 	@echo "make data      download the Kaggle data into data/kaggle (needs Kaggle API credentials)"
+	@echo "make tensorboard  TensorBoard on runs/ (every run logs to RUN/tb)"
+	@echo "make notebooks executes notebooks/*.ipynb headless (outputs stay out of git)"
+	@echo "make lab       Jupyter Lab on notebooks/ (installs it on first use)"
 	@echo "make install   create .venv (uv) with cloudseg and its dev extras"
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
@@ -126,3 +129,13 @@ submit: $(STAMP)
 	if [ -f "$$data_dir/test_solution.csv" ]; then \
 	  echo "scoring $(SUBMISSION) against $$data_dir/test_solution.csv"; \
 	  $(PY) -m cloudseg evaluate --submission $(SUBMISSION) --truth $$data_dir/test_solution.csv; fi
+
+tensorboard: $(STAMP)
+	$(VENV)/bin/tensorboard --logdir runs
+
+notebooks: $(STAMP)
+	$(PY) -m cloudseg.notebooks notebooks/*.ipynb
+
+lab: $(STAMP)
+	$(UV) pip install -q --python $(PY) -e '.[lab]'
+	$(VENV)/bin/jupyter lab notebooks

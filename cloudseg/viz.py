@@ -8,16 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import cv2
-import matplotlib
+import matplotlib.pyplot as plt  # without a display matplotlib picks Agg; notebooks keep their inline backend
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")  # files, not windows: training and `cloudseg show` run headless
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from cloudseg import rle  # noqa: E402
-from cloudseg.metrics import resize_masks  # noqa: E402
-from cloudseg.task import LABELS, SUBMISSION_SHAPE  # noqa: E402
+from cloudseg import rle
+from cloudseg.metrics import resize_masks
+from cloudseg.task import LABELS, SUBMISSION_SHAPE
 
 COLORS = {"Fish": (230, 25, 75), "Flower": (60, 180, 75), "Gravel": (255, 225, 25), "Sugar": (0, 130, 200)}
 """One RGB colour per class, in every picture."""
@@ -120,3 +117,164 @@ def show(image_ids: list[str], data_dir: str | Path, submission: str | Path | No
             views["image"] = np.zeros((len(LABELS), *SUBMISSION_SHAPE), np.uint8)
         written.append(save_png(Path(out_dir) / f"{Path(image_id).stem}.png", panels(image, views)))
     return written
+
+
+# ---------------------------------------------------------------------------------- EDA
+
+
+def find_data(preferred: str | Path = "data/kaggle", fallback: str | Path = "data/synthetic") -> tuple[Path, str]:
+    """The data folder a notebook should use, and a sentence saying which (CLOUDSEG_DATA overrides)."""
+    import os
+
+    if os.environ.get("CLOUDSEG_DATA"):
+        return Path(os.environ["CLOUDSEG_DATA"]), f"Using {os.environ['CLOUDSEG_DATA']} (CLOUDSEG_DATA)."
+    if (Path(preferred) / "train.csv").is_file():
+        return Path(preferred), f"Using the Kaggle data in {preferred}."
+    if not (Path(fallback) / "train.csv").is_file():
+        from cloudseg.synth import synthesize
+
+        synthesize(fallback, n_train=64, n_test=8, height=192, width=288, seed=0)
+    return Path(fallback), f"No Kaggle data in {preferred}: using the SYNTHETIC dataset in {fallback}."
+
+
+def label_stats(labels: pd.DataFrame) -> dict[str, pd.DataFrame | pd.Series]:
+    """Share of images with each label, the label co-occurrence matrix, labels per image."""
+    present = labels[list(LABELS)].ne("").astype(int)
+    return {"frequency": present.mean(), "cooccurrence": present.T @ present,
+            "per_image": present.sum(1).value_counts().sort_index()}
+
+
+def mask_stats(labels: pd.DataFrame, shape, limit: int = 500, seed: int = 0) -> pd.DataFrame:
+    """Per (image, label) with a mask: coverage (area fraction) and bounding-box height and width
+    as fractions of the image, on up to `limit` images."""
+    ids = labels.index.to_series().sample(min(limit, len(labels)), random_state=seed)
+    rows = []
+    for image_id in ids:
+        for label in LABELS:
+            if labels.at[image_id, label]:
+                mask = rle.decode(labels.at[image_id, label], shape)
+                ys, xs = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+                rows.append({"label": label, "coverage": mask.mean(), "box_height": (ys[-1] - ys[0] + 1) / shape[0],
+                             "box_width": (xs[-1] - xs[0] + 1) / shape[1]})
+    return pd.DataFrame(rows)
+
+
+def band_stats(image_dir: str | Path, image_ids, limit: int = 200) -> pd.Series:
+    """Black (no-data) share of each image, on up to `limit` images."""
+    from cloudseg.data import read_image
+    from cloudseg.predict import BLACK_LEVEL
+
+    shares = {i: (read_image(Path(image_dir) / i) <= BLACK_LEVEL).all(-1).mean() for i in list(image_ids)[:limit]}
+    return pd.Series(shares, name="black share")
+
+
+def plot_label_stats(stats: dict):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    stats["frequency"].plot.bar(ax=axes[0], color=[np.array(COLORS[c]) / 255 for c in LABELS], title="share of images with the label")
+    axes[1].imshow(stats["cooccurrence"], cmap="Blues")
+    axes[1].set(xticks=range(4), yticks=range(4), xticklabels=LABELS, yticklabels=LABELS, title="images with both labels")
+    for (i, j), v in np.ndenumerate(stats["cooccurrence"].to_numpy()):
+        axes[1].text(j, i, v, ha="center", va="center")
+    stats["per_image"].plot.bar(ax=axes[2], title="labels per image", color="grey")
+    fig.tight_layout()
+    return fig
+
+
+def plot_mask_stats(stats: pd.DataFrame):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    for label in LABELS:
+        part = stats[stats.label == label]
+        colour = np.array(COLORS[label]) / 255
+        axes[0].hist(part.coverage, bins=20, range=(0, 1), histtype="step", lw=2, color=colour, label=label)
+        axes[1].scatter(part.box_width, part.box_height, s=10, color=colour, label=label)
+    axes[0].set(title="mask coverage (area fraction)", xlabel="coverage")
+    axes[1].set(title="mask bounding boxes", xlabel="width / image width", ylabel="height / image height")
+    axes[0].legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_band_stats(shares: pd.Series):
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(shares, bins=20, range=(0, 1), color="black")
+    ax.set(title=f"black no-data share ({(shares > 0.001).mean():.0%} of images have some)", xlabel="share of the image")
+    fig.tight_layout()
+    return fig
+
+
+def plot_grid(pictures: list[np.ndarray], titles: list[str], columns: int = 2):
+    """Pictures (e.g. from `panels`) in a grid."""
+    rows = -(-len(pictures) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(8 * columns, 3.2 * rows), squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, picture, title in zip(axes.ravel(), pictures, titles):
+        ax.imshow(picture)
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------- results
+
+
+def oof_dice(run_dir: str | Path, rule: dict | None = None) -> pd.DataFrame:
+    """Per-image Dice of a run's out-of-fold predictions under a post-processing rule (default:
+    the run's config), with the per-class columns."""
+    from cloudseg.checkpoint import load_checkpoint
+    from cloudseg.config import from_dict
+    from cloudseg.metrics import dice
+    from cloudseg.oof import OOF_FILE, read_oof
+    from cloudseg.postprocess import postprocess
+
+    ids, probs8, truth = read_oof(Path(run_dir) / OOF_FILE)
+    if rule is None:
+        rule = from_dict(load_checkpoint(Path(run_dir) / "last.pt")["config"]).predict.model_dump()
+    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4))
+    frame = pd.DataFrame(dice(masks, truth), index=ids, columns=list(LABELS))
+    return frame.assign(dice=frame.mean(1))
+
+
+def plot_postprocess_effect(result: dict):
+    """Per-class CV Dice before and after tuning, from a postprocess.json."""
+    before, after = result["cv_dice"]["before"], result["cv_dice"]["after"]
+    keys = [*LABELS, "mean"]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    x = np.arange(len(keys))
+    ax.bar(x - 0.2, [before[k] for k in keys], 0.4, label="before tuning", color="lightgrey")
+    ax.bar(x + 0.2, [after[k] for k in keys], 0.4, label="after tuning", color="steelblue")
+    ax.set(xticks=x, xticklabels=keys, ylim=(0, 1), title="out-of-fold Dice")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def oof_pictures(run_dir: str | Path, data_dir: str | Path, image_ids, rule: dict | None = None) -> list[np.ndarray]:
+    """truth | prediction panels for out-of-fold images of a run."""
+    from cloudseg.data import read_image
+    from cloudseg.oof import OOF_FILE, read_oof
+    from cloudseg.postprocess import postprocess
+    from cloudseg.task import TRAIN_IMAGES
+
+    ids, probs8, truth = read_oof(Path(run_dir) / OOF_FILE)
+    rows = {image_id: i for i, image_id in enumerate(ids)}
+    rule = rule or {"threshold": (0.5,) * 4, "min_area": (0,) * 4}
+    pictures = []
+    for image_id in image_ids:
+        i = rows[image_id]
+        pred = postprocess(probs8[i : i + 1], rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4))[0]
+        image = read_image(Path(data_dir) / TRAIN_IMAGES / image_id)
+        pictures.append(panels(image, {"truth": truth[i], "prediction": pred}))
+    return pictures
+
+
+def find_run(root: str | Path = "runs") -> Path:
+    """The run a results notebook shows: CLOUDSEG_RUN, else the newest run with metrics.csv."""
+    import os
+
+    if os.environ.get("CLOUDSEG_RUN"):
+        return Path(os.environ["CLOUDSEG_RUN"])
+    runs = sorted(Path(root).glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise FileNotFoundError(f"no run with metrics.csv under {root}/: run `make train` first")
+    return runs[-1].parent
