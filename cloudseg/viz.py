@@ -278,3 +278,16 @@ def find_run(root: str | Path = "runs") -> Path:
     if not runs:
         raise FileNotFoundError(f"no run with metrics.csv under {root}/: run `make train` first")
     return runs[-1].parent
+
+
+def run_metrics(run_dir: str | Path) -> pd.DataFrame:
+    """A run's metrics.csv."""
+    return pd.read_csv(Path(run_dir) / "metrics.csv")
+
+
+def tuned_rule(run_dir: str | Path) -> dict | None:
+    """The postprocess.json beside a fold's run directory (written by `make cv`), or None."""
+    import json
+
+    path = Path(run_dir).parent / "postprocess.json"
+    return json.loads(path.read_text()) if path.is_file() else None
