@@ -183,12 +183,8 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     start_epoch, step, history = 0, 0, []
     if resume:
-        state = load_checkpoint(run_dir / "last.pt")
-        for part, saved in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-            saved.load_state_dict(state[part])
-        restore_rng_states(state["rng"])
-        start_epoch, step, history = state["epoch"], state["step"], state["metrics"]
-        log.info("resuming %s after epoch %d (step %d)", run_dir, start_epoch, step)
+        start_epoch, step, history = restore(run_dir / "last.pt", model=model, optimizer=optimizer,
+                                             scheduler=scheduler, scaler=scaler)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(run_dir / "config.yaml") as tmp:
@@ -203,29 +199,15 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     micro_batch = config.train.micro_batch
     for epoch in range(start_epoch, config.train.epochs):
         sampler.set_epoch(epoch)
-        train_mode(model, config.model.norm)
-        started, losses, images = time.perf_counter(), [], 0
-        bar = tqdm(windows(train_loader, config.train.accumulation_steps), total=steps_per_epoch,
-                   desc=f"epoch {epoch + 1}/{config.train.epochs}", unit="step", disable=None)
-        for window in bar:
-            loss, _, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype,
-                                                  config.train, micro_batch)
-            scheduler.step()
-            step += 1
-            losses.append(loss)
-            images += sum(len(batch["image"]) for batch in window)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                            img_s=f"{images / (time.perf_counter() - started):.2f}")
-        seconds = time.perf_counter() - started
-        row = {"epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0], "train_loss": float(np.mean(losses)),
+        train_loss, images_per_s, steps, micro_batch = train_epoch(
+            model, train_loader, optimizer, scheduler, scaler, device, dtype, config, micro_batch,
+            desc=f"epoch {epoch + 1}/{config.train.epochs}")
+        step += steps
+        row = {"epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0], "train_loss": train_loss,
                **validate(model, valid_loader, device, dtype, config),
-               "images_per_s": images / seconds, "peak_memory_mb": peak_memory_mb(device)}
+               "images_per_s": images_per_s, "peak_memory_mb": peak_memory_mb(device)}
         history.append(row)
-        log.info("epoch %d: " + ", ".join(f"{k} %.4g" for k in list(row)[2:]), epoch + 1, *list(row.values())[2:])
-        write_metrics(history, run_dir / "metrics.csv")
-        for key, value in list(row.items())[2:]:
-            board.add_scalar(key, value, epoch + 1)
-        board.flush()
+        record(history, run_dir, board)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch + 1,
                  "step": step, "rng": rng_states(), "config": config.model_dump(mode="json"), "metrics": history}
@@ -235,6 +217,46 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     board.close()
     write_best_oof(model, config, device, run_dir)
     return pd.DataFrame(history)
+
+
+def restore(path: Path, **parts) -> tuple[int, int, list[dict]]:
+    """Load each part's state and the RNG states from a checkpoint; returns (epoch, step, metrics)."""
+    state = load_checkpoint(path)
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
+    restore_rng_states(state["rng"])
+    log.info("resuming %s after epoch %d (step %d)", path.parent, state["epoch"], state["step"])
+    return state["epoch"], state["step"], state["metrics"]
+
+
+def train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype, config: Config,
+                micro_batch: int, desc: str) -> tuple[float, float, int, int]:
+    """One pass over the training folds, one optimizer and scheduler step per window.
+
+    Returns (mean window loss, images/s, optimizer steps, micro-batch now in use).
+    """
+    train_mode(model, config.model.norm)
+    started, losses, images = time.perf_counter(), [], 0
+    bar = tqdm(windows(train_loader, config.train.accumulation_steps), desc=desc, unit="step", disable=None,
+               total=math.ceil(len(train_loader.sampler) / config.train.effective_batch))
+    for window in bar:
+        loss, _, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype, config.train, micro_batch)
+        scheduler.step()
+        losses.append(loss)
+        images += sum(len(batch["image"]) for batch in window)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                        img_s=f"{images / (time.perf_counter() - started):.2f}")
+    return float(np.mean(losses)), images / (time.perf_counter() - started), len(losses), micro_batch
+
+
+def record(history: list[dict], run_dir: Path, board: SummaryWriter) -> None:
+    """The newest epoch into the log, metrics.csv, curves.png and TensorBoard."""
+    row = history[-1]
+    log.info("epoch %d: " + ", ".join(f"{k} %.4g" for k in list(row)[2:]), row["epoch"], *list(row.values())[2:])
+    write_metrics(history, run_dir / "metrics.csv")
+    for key, value in list(row.items())[2:]:
+        board.add_scalar(key, value, row["epoch"])
+    board.flush()
 
 
 def write_best_oof(model, config: Config, device, run_dir: Path) -> None:
