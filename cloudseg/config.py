@@ -64,6 +64,9 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="max global gradient norm; null = no clipping")
     dice_weight: float = Field(1.0, ge=0, description="loss = BCE + dice_weight x per-image soft Dice loss")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    max_skipped_windows: int = Field(
+        5, ge=1, description="stop after this many windows in a row with a non-finite loss or gradient"
+    )
     channels_last: bool = Field(True, description="NHWC memory format (faster convolutions on tensor cores)")
     checkpointing: Literal["none", "encoder", "full"] = Field(
         "none", description="recompute activations in backward: encoder blocks, or encoder and decoder blocks"

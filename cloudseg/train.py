@@ -16,6 +16,7 @@ import random
 import resource
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -76,9 +77,16 @@ def split(window: list[dict], micro_batch: int | None) -> list[dict]:
             for batch in window for start in range(0, len(batch["image"]), micro_batch)]
 
 
+class Step(NamedTuple):
+    loss: float
+    grad_norm: float
+    skipped: bool  # a non-finite loss or gradient: no update was made
+
+
 def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_weight,
-               micro_batch: int | None = None) -> tuple[float, float]:
-    """Accumulate one window's gradient, then take one optimizer step; returns (loss, grad norm).
+               micro_batch: int | None = None) -> Step:
+    """Accumulate one window's gradient, then take one optimizer step (none if the loss or
+    gradient is not finite).
 
     `micro_batch` re-cuts the window's batches smaller (after an out-of-memory error): the
     weights are per image, so the update does not change.
@@ -96,24 +104,32 @@ def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_
         scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
         window_loss += loss.detach()
     scaler.unscale_(optimizer)  # once per window, so clipping sees the true gradient
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-    scaler.step(optimizer)  # fp16: skipped when the gradient overflowed
-    scaler.update()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf).item()
+    loss = window_loss.item()
+    if scaler.is_enabled():  # fp16: the scaler skips the step itself when the gradient overflowed
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    else:
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return window_loss.item(), grad_norm.item()
+    return Step(loss, grad_norm, skipped)
 
 
 def resilient_step(model, window, optimizer, scaler, device, dtype, train_config, micro_batch: int):
     """`train_step` that survives CUDA out-of-memory: halve the micro-batch (doubling the
     accumulation) and redo the interrupted window from its start, so the update is the one
-    it would have been. Returns (loss, grad norm, micro-batch now in use)."""
+    it would have been. Returns (the Step, micro-batch now in use)."""
     norm_statistics = {name: b.clone() for name, b in model.named_buffers()
                        if name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")}
     while True:
         try:
-            loss, grad_norm = train_step(model, window, optimizer, scaler, device, dtype,
-                                         train_config.grad_clip, train_config.dice_weight, micro_batch)
-            return loss, grad_norm, micro_batch
+            step = train_step(model, window, optimizer, scaler, device, dtype,
+                              train_config.grad_clip, train_config.dice_weight, micro_batch)
+            return step, micro_batch
         except torch.cuda.OutOfMemoryError:
             if micro_batch == 1:
                 raise
@@ -199,13 +215,12 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     micro_batch = config.train.micro_batch
     for epoch in range(start_epoch, config.train.epochs):
         sampler.set_epoch(epoch)
-        train_loss, images_per_s, steps, micro_batch = train_epoch(
-            model, train_loader, optimizer, scheduler, scaler, device, dtype, config, micro_batch,
-            desc=f"epoch {epoch + 1}/{config.train.epochs}")
+        stats, steps, micro_batch = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype,
+                                                config, micro_batch, desc=f"epoch {epoch + 1}/{config.train.epochs}")
         step += steps
-        row = {"epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0], "train_loss": train_loss,
-               **validate(model, valid_loader, device, dtype, config),
-               "images_per_s": images_per_s, "peak_memory_mb": peak_memory_mb(device)}
+        row = {"epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0], "train_loss": stats["train_loss"],
+               **validate(model, valid_loader, device, dtype, config), "images_per_s": stats["images_per_s"],
+               "peak_memory_mb": peak_memory_mb(device), "skipped_windows": stats["skipped_windows"]}
         history.append(row)
         record(history, run_dir, board)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -230,23 +245,36 @@ def restore(path: Path, **parts) -> tuple[int, int, list[dict]]:
 
 
 def train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype, config: Config,
-                micro_batch: int, desc: str) -> tuple[float, float, int, int]:
+                micro_batch: int, desc: str) -> tuple[dict, int, int]:
     """One pass over the training folds, one optimizer and scheduler step per window.
 
-    Returns (mean window loss, images/s, optimizer steps, micro-batch now in use).
+    A window with a non-finite loss or gradient makes no step, is logged and counted;
+    `train.max_skipped_windows` of them in a row stop the run. Returns (the epoch's
+    train_loss, images_per_s and skipped_windows; optimizer steps; micro-batch now in use).
     """
     train_mode(model, config.model.norm)
-    started, losses, images = time.perf_counter(), [], 0
+    started, losses, images, skipped, in_a_row = time.perf_counter(), [], 0, 0, 0
     bar = tqdm(windows(train_loader, config.train.accumulation_steps), desc=desc, unit="step", disable=None,
                total=math.ceil(len(train_loader.sampler) / config.train.effective_batch))
-    for window in bar:
-        loss, _, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype, config.train, micro_batch)
-        scheduler.step()
-        losses.append(loss)
+    for index, window in enumerate(bar):
+        step, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype, config.train, micro_batch)
         images += sum(len(batch["image"]) for batch in window)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+        if step.skipped:
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            log.warning("%s, window %d: loss %s, gradient norm %s: not finite, window skipped (%d in a row)",
+                        desc, index + 1, step.loss, step.grad_norm, in_a_row)
+            if in_a_row >= config.train.max_skipped_windows:
+                raise RuntimeError(f"{in_a_row} windows in a row had a non-finite loss or gradient ({desc}); "
+                                   "lower train.lr, set train.grad_clip, or use train.precision=bf16 or fp32")
+            continue
+        in_a_row = 0
+        scheduler.step()
+        losses.append(step.loss)
+        bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                         img_s=f"{images / (time.perf_counter() - started):.2f}")
-    return float(np.mean(losses)), images / (time.perf_counter() - started), len(losses), micro_batch
+    stats = {"train_loss": float(np.mean(losses)) if losses else math.nan,
+             "images_per_s": images / (time.perf_counter() - started), "skipped_windows": skipped}
+    return stats, len(losses), micro_batch
 
 
 def record(history: list[dict], run_dir: Path, board: SummaryWriter) -> None:

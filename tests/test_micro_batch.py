@@ -37,7 +37,7 @@ def run_windows(model, optimizer, micro_batch, n_images=8, accumulation=2, loade
     config = load_config(None, [f"train.effective_batch={loader_batch * accumulation}",
                                 f"train.micro_batch={loader_batch}", "train.grad_clip=null"])
     for window in windows(DataLoader(Images(n_images), batch_size=loader_batch), accumulation):
-        _, _, micro_batch = resilient_step(model, window, optimizer, scaler, CPU, None, config.train, micro_batch)
+        _, micro_batch = resilient_step(model, window, optimizer, scaler, CPU, None, config.train, micro_batch)
     return micro_batch
 
 

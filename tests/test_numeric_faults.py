@@ -1,0 +1,71 @@
+"""A non-finite loss or gradient skips the window, is counted, and K in a row stop the run."""
+
+import copy
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from cloudseg import train as train_module
+from cloudseg.checkpoint import load_checkpoint
+from cloudseg.config import load_config
+from cloudseg.train import train, train_step, windows
+from tests.test_accumulation import CPU, Images, assert_same_parameters, model_and_sgd
+from tests.test_train import TINY
+
+
+def poison(model, calls_to_poison):
+    """Make the model's forward return NaN logits on the given (1-based) training calls."""
+    forward, calls = model.forward, []
+
+    def poisoned(images):
+        out = forward(images)
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) in calls_to_poison:
+                return out * float("nan")
+        return out
+
+    model.forward = poisoned
+    return model
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_a_nan_window_makes_no_update(fp16):
+    model, optimizer = model_and_sgd(dtype=torch.float32)
+    before = copy.deepcopy(model)
+    poison(model, {2})  # the second micro-batch of the window
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=fp16)
+    (window,) = list(windows(DataLoader(Images(4), batch_size=2), 2))
+    step = train_step(model, window, optimizer, scaler, CPU, torch.float16 if fp16 else None, 1.0, 1.0)
+    assert step.skipped
+    assert_same_parameters(model, before, tol=0)
+    assert all(p.grad is None for p in model.parameters())  # nothing leaks into the next window
+    if fp16:
+        assert scaler.get_scale() == 2.0**7  # the scaler's own skip: it backs off
+    healthy = train_step(model, window, optimizer, scaler, CPU, torch.float16 if fp16 else None, 1.0, 1.0)
+    assert not healthy.skipped
+
+
+def test_one_bad_window_is_skipped_and_counted(tiny_data, tmp_path, monkeypatch, caplog):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: poison(real_build(*a, **k), {3}))
+    train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY]), tmp_path / "run")
+    metrics = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert metrics["skipped_windows"].tolist() == [1, 0]  # micro-batch 3 lies in epoch 1's second window
+    state = load_checkpoint(tmp_path / "run" / "last.pt")
+    windows_per_epoch = -(-int(len(pd.read_csv(data / "folds.csv").query("fold != 0"))) // 4)
+    assert state["step"] == 2 * windows_per_epoch - 1 == state["scheduler"]["last_epoch"]
+    assert torch.isfinite(torch.cat([t.flatten().float() for t in state["model"].values()])).all()
+    assert "not finite, window skipped (1 in a row)" in caplog.text
+
+
+def test_k_bad_windows_in_a_row_stop_the_run(tiny_data, tmp_path, monkeypatch):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: poison(real_build(*a, **k), set(range(1, 100))))
+    with pytest.raises(RuntimeError, match="2 windows in a row had a non-finite loss or gradient"):
+        train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, "train.max_skipped_windows=2"]), tmp_path / "run")
