@@ -125,12 +125,12 @@ def run_folds(args) -> None:
     print(present.round(3).to_string())
 
 
-def run_train(args) -> None:
+def run_train(args) -> int | None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from cloudseg.checkpoint import load_checkpoint
     from cloudseg.config import apply_overrides, from_dict, load_config
-    from cloudseg.train import train
+    from cloudseg.train import Interrupted, train
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -147,8 +147,12 @@ def run_train(args) -> None:
     handler = logging.FileHandler(run_dir / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logging.getLogger().addHandler(handler)
-    with logging_redirect_tqdm():
-        history = train(config, run_dir, resume=bool(args.resume))
+    try:
+        with logging_redirect_tqdm():
+            history = train(config, run_dir, resume=bool(args.resume))
+    except Interrupted as stopped:
+        print(f"cloudseg: {stopped}", file=sys.stderr)
+        return 130
     best = history.loc[history["dice"].idxmax()]
     print(f"run {run_dir}: best validation Dice {best['dice']:.4f} at epoch {int(best['epoch'])}")
 

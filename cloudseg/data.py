@@ -202,18 +202,19 @@ class EpochSampler(Sampler):
     """
 
     def __init__(self, size: int, seed: int):
-        self.size, self.seed, self.epoch = size, seed, 0
+        self.size, self.seed, self.epoch, self.start = size, seed, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Serve `epoch`'s order from position `start` (to resume an interrupted epoch)."""
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.size
+        return self.size - self.start
 
     def __iter__(self):
         rng = np.random.default_rng([self.seed, self.epoch])
         order, seeds = rng.permutation(self.size), rng.integers(0, 2**31, self.size)
-        return iter(zip(order.tolist(), seeds.tolist()))
+        return iter(list(zip(order.tolist(), seeds.tolist()))[self.start :])
 
 
 def _chw_tensor(array: np.ndarray) -> torch.Tensor:

@@ -9,11 +9,14 @@ images from the next epoch).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import random
 import resource
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -197,10 +200,10 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
     scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    start_epoch, step, history = 0, 0, []
+    start_epoch, history, progress = 0, [], None
     if resume:
-        start_epoch, step, history = restore(run_dir / "last.pt", model=model, optimizer=optimizer,
-                                             scheduler=scheduler, scaler=scaler)
+        start_epoch, history, progress = restore(run_dir / "last.pt", model=model, optimizer=optimizer,
+                                                 scheduler=scheduler, scaler=scaler)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(run_dir / "config.yaml") as tmp:
@@ -213,68 +216,113 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
              len(train_set), len(valid_set), config.data.fold, *train_set.image_size, device,
              dtype or "fp32", config.train.accumulation_steps, config.train.micro_batch)
     micro_batch = config.train.micro_batch
-    for epoch in range(start_epoch, config.train.epochs):
-        sampler.set_epoch(epoch)
-        stats, steps, micro_batch = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype,
-                                                config, micro_batch, desc=f"epoch {epoch + 1}/{config.train.epochs}")
-        step += steps
-        row = {"epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0], "train_loss": stats["train_loss"],
-               **validate(model, valid_loader, device, dtype, config), "images_per_s": stats["images_per_s"],
-               "peak_memory_mb": peak_memory_mb(device), "skipped_windows": stats["skipped_windows"]}
-        history.append(row)
-        record(history, run_dir, board)
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch + 1,
-                 "step": step, "rng": rng_states(), "config": config.model_dump(mode="json"), "metrics": history}
-        save_checkpoint(run_dir / "last.pt", state)
-        if row["dice"] >= max(r["dice"] for r in history):
-            save_checkpoint(run_dir / "best.pt", state)
+    with stop_requests() as stop_requested:
+        for epoch in range(start_epoch, config.train.epochs):
+            progress = progress or {"windows": 0, "losses": [], "images": 0, "skipped": 0, "seconds": 0.0}
+            sampler.set_epoch(epoch, start=progress["windows"] * config.train.effective_batch)
+            micro_batch = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype, config,
+                                      micro_batch, f"epoch {epoch + 1}/{config.train.epochs}", progress, stop_requested)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
+                     "step": scheduler.last_epoch, "rng": rng_states(), "config": config.model_dump(mode="json"),
+                     "metrics": history, "progress": progress}
+            if stop_requested():
+                save_checkpoint(run_dir / "last.pt", state)
+                raise Interrupted(f"stopped after window {progress['windows']} of epoch {epoch + 1}; "
+                                  f"continue with: cloudseg train --resume {run_dir}")
+            history.append(epoch_row(epoch, scheduler, progress, validate(model, valid_loader, device, dtype, config), device))
+            record(history, run_dir, board)
+            state.update(epoch=epoch + 1, metrics=history, progress=None)
+            save_checkpoint(run_dir / "last.pt", state)
+            if history[-1]["dice"] >= max(r["dice"] for r in history):
+                save_checkpoint(run_dir / "best.pt", state)
+            progress = None
     board.close()
     write_best_oof(model, config, device, run_dir)
     return pd.DataFrame(history)
 
 
-def restore(path: Path, **parts) -> tuple[int, int, list[dict]]:
-    """Load each part's state and the RNG states from a checkpoint; returns (epoch, step, metrics)."""
+def restore(path: Path, **parts) -> tuple[int, list[dict], dict | None]:
+    """Load each part's state and the RNG states from a checkpoint; returns (epoch to run,
+    metrics so far, progress within that epoch or None)."""
     state = load_checkpoint(path)
     for name, part in parts.items():
         part.load_state_dict(state[name])
     restore_rng_states(state["rng"])
-    log.info("resuming %s after epoch %d (step %d)", path.parent, state["epoch"], state["step"])
-    return state["epoch"], state["step"], state["metrics"]
+    progress = state.get("progress")
+    log.info("resuming %s at epoch %d, window %d (step %d)", path.parent, state["epoch"] + 1,
+             progress["windows"] if progress else 0, state["step"])
+    return state["epoch"], state["metrics"], progress
+
+
+class Interrupted(Exception):
+    """Training stopped on SIGINT or SIGTERM after saving a resumable checkpoint."""
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Within: SIGINT and SIGTERM ask the loop to stop after the current window (a second
+    SIGINT stops at once). Yields a function that says whether a stop was asked for."""
+    requested = []
+
+    def ask_to_stop(signum, frame):
+        if requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requested.append(signum)
+        log.warning("%s: finishing the current window, then saving a resumable checkpoint", signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield lambda: False
+        return
+    previous = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(requested)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype, config: Config,
-                micro_batch: int, desc: str) -> tuple[dict, int, int]:
-    """One pass over the training folds, one optimizer and scheduler step per window.
+                micro_batch: int, desc: str, progress: dict, stop_requested) -> int:
+    """Windows of the training folds, one optimizer and scheduler step each, until the epoch
+    ends or a stop is asked for; tallies go into `progress`. Returns the micro-batch in use.
 
     A window with a non-finite loss or gradient makes no step, is logged and counted;
-    `train.max_skipped_windows` of them in a row stop the run. Returns (the epoch's
-    train_loss, images_per_s and skipped_windows; optimizer steps; micro-batch now in use).
+    `train.max_skipped_windows` of them in a row stop the run.
     """
     train_mode(model, config.model.norm)
-    started, losses, images, skipped, in_a_row = time.perf_counter(), [], 0, 0, 0
+    started, in_a_row = time.perf_counter(), 0
     bar = tqdm(windows(train_loader, config.train.accumulation_steps), desc=desc, unit="step", disable=None,
                total=math.ceil(len(train_loader.sampler) / config.train.effective_batch))
-    for index, window in enumerate(bar):
+    for window in bar:
         step, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype, config.train, micro_batch)
-        images += sum(len(batch["image"]) for batch in window)
+        progress["windows"] += 1
+        progress["images"] += sum(len(batch["image"]) for batch in window)
         if step.skipped:
-            skipped, in_a_row = skipped + 1, in_a_row + 1
+            progress["skipped"], in_a_row = progress["skipped"] + 1, in_a_row + 1
             log.warning("%s, window %d: loss %s, gradient norm %s: not finite, window skipped (%d in a row)",
-                        desc, index + 1, step.loss, step.grad_norm, in_a_row)
+                        desc, progress["windows"], step.loss, step.grad_norm, in_a_row)
             if in_a_row >= config.train.max_skipped_windows:
                 raise RuntimeError(f"{in_a_row} windows in a row had a non-finite loss or gradient ({desc}); "
                                    "lower train.lr, set train.grad_clip, or use train.precision=bf16 or fp32")
-            continue
-        in_a_row = 0
-        scheduler.step()
-        losses.append(step.loss)
-        bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                        img_s=f"{images / (time.perf_counter() - started):.2f}")
-    stats = {"train_loss": float(np.mean(losses)) if losses else math.nan,
-             "images_per_s": images / (time.perf_counter() - started), "skipped_windows": skipped}
-    return stats, len(losses), micro_batch
+        else:
+            in_a_row = 0
+            scheduler.step()
+            progress["losses"].append(step.loss)
+            bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        if stop_requested():
+            break
+    progress["seconds"] += time.perf_counter() - started
+    return micro_batch
+
+
+def epoch_row(epoch: int, scheduler, progress: dict, validation: dict, device) -> dict:
+    """The metrics.csv row of a finished epoch."""
+    losses = progress["losses"]
+    return {"epoch": epoch + 1, "step": scheduler.last_epoch, "lr": scheduler.get_last_lr()[0],
+            "train_loss": float(np.mean(losses)) if losses else math.nan, **validation,
+            "images_per_s": progress["images"] / max(progress["seconds"], 1e-9),
+            "peak_memory_mb": peak_memory_mb(device), "skipped_windows": progress["skipped"]}
 
 
 def record(history: list[dict], run_dir: Path, board: SummaryWriter) -> None:

@@ -1,0 +1,66 @@
+"""SIGINT or SIGTERM finishes the window, saves a resumable checkpoint, and resume equals a straight run."""
+
+import os
+import shutil
+import signal
+
+import pandas as pd
+import pytest
+import torch
+
+from cloudseg import train as train_module
+from cloudseg.checkpoint import load_checkpoint
+from cloudseg.cli import main
+from cloudseg.config import load_config
+from cloudseg.train import Interrupted, train
+from tests.test_train import TINY
+
+
+def signal_on_call(model, call, signum):
+    """Deliver `signum` to this process during the `call`-th training forward (mid-window)."""
+    forward, calls = model.forward, []
+
+    def forward_then_signal(images):
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == call:
+                os.kill(os.getpid(), signum)
+        return forward(images)
+
+    model.forward = forward_then_signal
+    return model
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stop_mid_epoch_then_resume_equals_a_straight_run(tiny_data, tmp_path, monkeypatch, capsys, signum):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    options = [f"data.dir={data}", *TINY]
+    train(load_config("configs/demo.yaml", options), tmp_path / "straight")
+
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: signal_on_call(real_build(*a, **k), 3, signum))
+    with pytest.raises(Interrupted, match=r"stopped after window 2 of epoch 1; continue with: cloudseg train --resume"):
+        train(load_config("configs/demo.yaml", options), tmp_path / "stopped")
+    saved = load_checkpoint(tmp_path / "stopped" / "last.pt")
+    assert saved["epoch"] == 0 and saved["progress"]["windows"] == 2 and saved["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    monkeypatch.setattr(train_module, "build_model", real_build)
+
+    assert main(["train", "--resume", str(tmp_path / "stopped")]) == 0
+    straight, resumed = load_checkpoint(tmp_path / "straight/last.pt"), load_checkpoint(tmp_path / "stopped/last.pt")
+    assert straight["step"] == resumed["step"]
+    for name, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][name]), name
+    a, b = pd.read_csv(tmp_path / "straight/metrics.csv"), pd.read_csv(tmp_path / "stopped/metrics.csv")
+    for column in ("epoch", "step", "train_loss", "valid_loss", "dice", "skipped_windows"):
+        assert a[column].tolist() == pytest.approx(b[column].tolist()), column
+
+
+def test_the_cli_says_how_to_resume(tiny_data, tmp_path, monkeypatch, capsys):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: signal_on_call(real_build(*a, **k), 1, signal.SIGINT))
+    run = tmp_path / "run"
+    assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *TINY]) == 130
+    assert f"continue with: cloudseg train --resume {run}" in capsys.readouterr().err
+    assert (run / "last.pt").is_file() and not (run / "best.pt").exists()
