@@ -8,7 +8,6 @@ scaled by area; floating-point tensors scaled from fp32 to the autocast dtype).
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 
@@ -16,7 +15,8 @@ import torch
 
 from cloudseg.config import Config
 from cloudseg.data import padded_shape
-from cloudseg.model import CloudNet, _blocks, autocast, autocast_dtype, build_model, prepare_for_training
+from cloudseg.model import (CloudNet, autocast, autocast_dtype, build_model, checkpoint_blocks, norm_statistics,
+                            prepare_for_training, restore_norm_statistics)
 from cloudseg.task import IMAGE_SHAPE, LABELS
 
 log = logging.getLogger("cloudseg")
@@ -80,7 +80,7 @@ def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size,
     from cloudseg.train import per_image_loss
 
     dtype = autocast_dtype(config.train.precision, device)
-    buffers = copy.deepcopy(model.state_dict())
+    saved_statistics = norm_statistics(model)
     images = torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device)
     masks = torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)
     torch.cuda.empty_cache()
@@ -93,7 +93,7 @@ def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size,
         peak = torch.cuda.max_memory_allocated(device)
     finally:
         model.zero_grad(set_to_none=True)
-        model.load_state_dict(buffers)
+        restore_norm_statistics(model, saved_statistics)
         del images, masks
         torch.cuda.empty_cache()
     return peak + 2 * parameter_bytes(model)  # AdamW's exp_avg and exp_avg_sq, allocated at the first step
@@ -136,8 +136,7 @@ def estimate(config: Config, image_size=IMAGE_SHAPE) -> dict[str, StepMemory]:
     weights = parameter_bytes(model)
     result = {}
     for mode in CHECKPOINTING_MODES:
-        blocks = _blocks(model.unet.encoder) if mode != "none" else []
-        blocks = list(blocks) + (list(_blocks(model.unet.decoder)) if mode == "full" else [])
+        blocks = checkpoint_blocks(model, mode)
         kept = counts["total"] - sum(counts["inside"].get(id(b), 0) for b in blocks)
         kept += sum(counts["inputs"].get(id(b), 0) for b in blocks)
         recompute_peak = max((counts["inside"].get(id(b), 0) for b in blocks), default=0)
@@ -147,7 +146,7 @@ def estimate(config: Config, image_size=IMAGE_SHAPE) -> dict[str, StepMemory]:
 
 def _saved_bytes(model: CloudNet, shape, float_scale: float) -> dict:
     """Bytes saved for backward by one image: in total, inside each block, and of each block's inputs."""
-    blocks = list(_blocks(model.unet.encoder)) + list(_blocks(model.unet.decoder))
+    blocks = checkpoint_blocks(model, "full")
     counts = {"total": 0.0, "inside": {}, "inputs": {}}
     stack, seen = [], set()
 

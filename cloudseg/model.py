@@ -138,13 +138,16 @@ def enable_checkpointing(model: CloudNet, mode: str) -> list[nn.Module]:
     """Recompute activations in backward instead of keeping them: `encoder` checkpoints each
     encoder block, `full` also each decoder block (at full resolution the decoder's
     activations dominate, and smp offers no switch for them). Returns the blocks."""
-    if mode == "none":
-        return []
-    parts = [model.unet.encoder] + ([model.unet.decoder] if mode == "full" else [])
-    blocks = [block for part in parts for block in _blocks(part)]
+    blocks = checkpoint_blocks(model, mode)
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block, block.forward)
     return blocks
+
+
+def checkpoint_blocks(model: CloudNet, mode: str) -> list[nn.Module]:
+    """The blocks that checkpointing `mode` (none, encoder, full) wraps."""
+    parts = {"none": [], "encoder": [model.unet.encoder], "full": [model.unet.encoder, model.unet.decoder]}[mode]
+    return [block for part in parts for block in _blocks(part)]
 
 
 def _blocks(module: nn.Module):
@@ -162,21 +165,32 @@ def _blocks(module: nn.Module):
 def _checkpointed(block: nn.Module, forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    recompute = functools.partial(_norm_statistics_kept, block)
     return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), recompute()), **kwargs)
+                      context_fn=lambda: (contextlib.nullcontext(), _norm_statistics_kept(block)), **kwargs)
 
 
 @contextlib.contextmanager
 def _norm_statistics_kept(block: nn.Module):
     """Around the recomputation in backward: BatchNorm computes the same output from the same
     batch, but must not update its running statistics a second time."""
-    norms = [m for m in block.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    saved = [{name: buffer.clone() for name, buffer in m.named_buffers(recurse=False)} for m in norms]
+    saved = norm_statistics(block)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for module, buffers in zip(norms, saved):
-                for name, value in buffers.items():
-                    getattr(module, name).copy_(value)
+        restore_norm_statistics(block, saved)
+
+
+NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def norm_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the BatchNorm running statistics in `module`, to undo a forward's updates."""
+    return {name: buffer.clone() for name, buffer in module.named_buffers()
+            if name.rsplit(".", 1)[-1] in NORM_STATISTICS}
+
+
+def restore_norm_statistics(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    buffers = dict(module.named_buffers())
+    with torch.no_grad():
+        for name, value in saved.items():
+            buffers[name].copy_(value)

@@ -36,7 +36,8 @@ from cloudseg.files import atomic_path
 from cloudseg.metrics import dice, resize_masks, resize_probs, summarize
 from cloudseg.memory import resolve_micro_batch
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
-from cloudseg.model import autocast, autocast_dtype, build_model, prepare_for_training, resolve_device, train_mode
+from cloudseg.model import (autocast, autocast_dtype, build_model, norm_statistics, prepare_for_training,
+                            resolve_device, restore_norm_statistics, train_mode)
 from cloudseg.postprocess import postprocess
 from cloudseg.predict import predict_probs
 from cloudseg.task import LABELS
@@ -126,8 +127,7 @@ def resilient_step(model, window, optimizer, scaler, device, dtype, train_config
     """`train_step` that survives CUDA out-of-memory: halve the micro-batch (doubling the
     accumulation) and redo the interrupted window from its start, so the update is the one
     it would have been. Returns (the Step, micro-batch now in use)."""
-    norm_statistics = {name: b.clone() for name, b in model.named_buffers()
-                       if name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")}
+    saved_statistics = norm_statistics(model)
     while True:
         try:
             step = train_step(model, window, optimizer, scaler, device, dtype,
@@ -137,7 +137,7 @@ def resilient_step(model, window, optimizer, scaler, device, dtype, train_config
             if micro_batch == 1:
                 raise
             optimizer.zero_grad(set_to_none=True)
-            model.load_state_dict(norm_statistics, strict=False)  # undo the failed attempt's BatchNorm updates
+            restore_norm_statistics(model, saved_statistics)  # undo the failed attempt's BatchNorm updates
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             micro_batch //= 2
