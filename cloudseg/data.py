@@ -85,7 +85,18 @@ def read_train_csv(data_dir: str | Path) -> pd.DataFrame:
 
 def test_image_ids(data_dir: str | Path) -> list[str]:
     """Test image ids in the order of `sample_submission.csv`."""
-    return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV, require_all_labels=True).index.tolist()
+    return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV).index.tolist()
+
+
+def decode_masks(table: pd.DataFrame, image_id: str, shape, source) -> list[np.ndarray]:
+    """The four masks (LABELS order) of one image of a label table; errors name `source` and the row."""
+    masks = []
+    for label in LABELS:
+        try:
+            masks.append(rle.decode(table.at[image_id, label], shape))
+        except ValueError as error:
+            raise ValueError(f"{source} ({image_id}_{label}): {error}") from None
+    return masks
 
 
 # ---------------------------------------------------------------------------------- images
@@ -179,19 +190,13 @@ class CloudDataset(Dataset):
             if self.transform is not None:
                 image = self.transform(image=image)["image"]
         else:
-            mask = cv2.merge([self._decode(image_id, label) for label in LABELS])
+            mask = cv2.merge(decode_masks(self.labels, image_id, self.image_size, self.data_dir / TRAIN_CSV))
             if self.transform is not None:
                 out = self.transform(image=image, mask=mask)
                 image, mask = out["image"], out["mask"]
             item["mask"] = _chw_tensor(mask)
         item["image"] = _chw_tensor(image)
         return item
-
-    def _decode(self, image_id: str, label: str) -> np.ndarray:
-        try:
-            return rle.decode(self.labels.at[image_id, label], self.image_size)
-        except ValueError as error:
-            raise ValueError(f"{self.data_dir / TRAIN_CSV} ({image_id}_{label}): {error}") from None
 
 
 class EpochSampler(Sampler):

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cloudseg import rle
-from cloudseg.data import read_label_csv
+from cloudseg.data import decode_masks, read_label_csv
 from cloudseg.task import LABELS, SUBMISSION_SHAPE
 
 
@@ -91,16 +90,6 @@ def evaluate_submission(submission_path: str | Path, truth_path: str | Path) -> 
         )
     pair_dice = np.empty((len(truth), len(LABELS)))
     for row, image_id in enumerate(truth.index):
-        pred = _decode_row(submission, image_id, submission_path)
-        pair_dice[row] = dice(pred, _decode_row(truth, image_id, truth_path))
+        pred = np.stack(decode_masks(submission, image_id, SUBMISSION_SHAPE, submission_path))
+        pair_dice[row] = dice(pred, np.stack(decode_masks(truth, image_id, SUBMISSION_SHAPE, truth_path)))
     return summarize(pair_dice)
-
-
-def _decode_row(table, image_id: str, path) -> np.ndarray:
-    masks = []
-    for label in LABELS:
-        try:
-            masks.append(rle.decode(table.at[image_id, label], SUBMISSION_SHAPE))
-        except ValueError as error:
-            raise ValueError(f"{path} ({image_id}_{label}): {error}") from None
-    return np.stack(masks)

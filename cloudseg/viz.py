@@ -61,11 +61,6 @@ def save_png(path: str | Path, rgb: np.ndarray) -> Path:
     return path
 
 
-def decode_row(table: pd.DataFrame, image_id: str, shape) -> np.ndarray:
-    """The four masks of one image from a label table (see data.read_label_csv)."""
-    return np.stack([rle.decode(table.at[image_id, label], shape) for label in LABELS])
-
-
 # ---------------------------------------------------------------------------------- curves
 
 
@@ -92,9 +87,9 @@ def plot_curves(metrics: pd.DataFrame, path: str | Path | None = None):
 def show(image_ids: list[str], data_dir: str | Path, submission: str | Path | None, out_dir: str | Path) -> list[Path]:
     """`cloudseg show`: one PNG per image: truth (train.csv, or test_solution.csv for test
     images when present) and, with a submission, the predicted masks beside it."""
-    from cloudseg.data import read_image, read_label_csv, read_train_csv
+    from cloudseg.data import decode_masks, read_image, read_label_csv, read_train_csv
     from cloudseg.synth import TEST_SOLUTION_CSV
-    from cloudseg.task import TEST_IMAGES, TRAIN_IMAGES
+    from cloudseg.task import TEST_IMAGES, TRAIN_CSV, TRAIN_IMAGES
 
     data_dir = Path(data_dir)
     train = read_train_csv(data_dir)
@@ -106,13 +101,13 @@ def show(image_ids: list[str], data_dir: str | Path, submission: str | Path | No
         image = read_image(data_dir / (TRAIN_IMAGES if in_train else TEST_IMAGES) / image_id)
         views = {}
         if in_train:
-            views["truth"] = decode_row(train, image_id, image.shape[:2])
+            views["truth"] = decode_masks(train, image_id, image.shape[:2], data_dir / TRAIN_CSV)
         elif solution is not None and image_id in solution.index:
-            views["truth"] = decode_row(solution, image_id, SUBMISSION_SHAPE)
+            views["truth"] = decode_masks(solution, image_id, SUBMISSION_SHAPE, data_dir / TEST_SOLUTION_CSV)
         if predicted is not None and not (in_train and image_id not in predicted.index):
             if image_id not in predicted.index:
                 raise KeyError(f"{submission}: no rows for image {image_id}")
-            views["prediction"] = decode_row(predicted, image_id, SUBMISSION_SHAPE)
+            views["prediction"] = decode_masks(predicted, image_id, SUBMISSION_SHAPE, submission)
         if not views:
             views["image"] = np.zeros((len(LABELS), *SUBMISSION_SHAPE), np.uint8)
         written.append(save_png(Path(out_dir) / f"{Path(image_id).stem}.png", panels(image, views)))
