@@ -184,9 +184,7 @@ def lightning(config, batches, args, device):
 
 
 def inference(config, batches, args, device):
-    model = build_model(config.model, pretrained=False).to(device).eval()
-    model.channels_last = config.train.channels_last
-    model.to(memory_format=torch.channels_last)
+    model = build_model(config.model, pretrained=False).to(device).eval()  # as predict.load_model builds it
     dtype = autocast_dtype(config.train.precision, device)
     predict_probs(model, batches[0]["image"], dtype, tta="d4-lite")
     synchronize(device)

@@ -8,6 +8,9 @@ Tuning and prediction apply this same rule to the same uint8 values.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import cv2
 import numpy as np
 
@@ -17,6 +20,24 @@ TOP_K = 1000  # pixels whose mean probability the empty-mask gate looks at (0.5%
 THRESHOLDS = tuple(round(0.20 + 0.03 * i, 2) for i in range(20))
 MIN_AREAS = (0, 1000, 2500, 5000, 7500, 10000, 12500, 15000, 20000, 25000)
 GATES = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+RULE_KEYS = ("threshold", "min_area", "gate")
+
+
+def read_rule_file(path: str | Path) -> dict:
+    """A postprocess.json written by `cloudseg tune` (the rule, under RULE_KEYS, and its CV figures)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: post-processing file not found (cloudseg tune writes it)")
+    try:
+        result = json.loads(path.read_text())
+        missing = [key for key in RULE_KEYS if key not in result]
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{path}: not a cloudseg postprocess.json ({type(error).__name__}: {error})") from None
+    if missing:
+        raise ValueError(f"{path}: not a cloudseg postprocess.json (no {', '.join(missing)})")
+    return result
 
 
 def quantize(probs) -> np.ndarray:

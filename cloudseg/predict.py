@@ -18,7 +18,7 @@ from cloudseg.data import CloudDataset, test_image_ids
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.model import CloudNet, autocast, autocast_dtype, build_model, resolve_device
-from cloudseg.postprocess import postprocess
+from cloudseg.postprocess import RULE_KEYS, postprocess, read_rule_file
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
 
 log = logging.getLogger("cloudseg")
@@ -74,9 +74,11 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     device = resolve_device("auto")
     loaded = [load_model(path, device) for path in checkpoints]
     models = [model for model, _ in loaded]
-    tuned = [f"predict.{key}={value}" for key, value in read_postprocess(postprocess_file).items()] if postprocess_file else []
-    config = from_dict(apply_overrides(loaded[0][1].model_dump(mode="json"), [*tuned, *overrides]),
-                       source="predict overrides")
+    raw = loaded[0][1].model_dump(mode="json")
+    if postprocess_file:
+        rule = read_rule_file(postprocess_file)
+        raw["predict"].update({key: rule[key] for key in RULE_KEYS})
+    config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
     data_dir = data_dir or config.data.dir
     dtype = autocast_dtype(config.train.precision, device)
     dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size)
@@ -113,16 +115,3 @@ def write_submission(rows: list[tuple[str, str]], sample_path: Path, out: str | 
         submission.reset_index().to_csv(tmp, index=False)
     return Path(out)
 
-
-def read_postprocess(path: str | Path) -> dict[str, list]:
-    """The tuned rule of a postprocess.json (written by `cloudseg tune`): threshold, min_area, gate."""
-    import json
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: post-processing file not found (cloudseg tune writes it)")
-    try:
-        rule = json.loads(path.read_text())
-        return {key: json.dumps(rule[key]) for key in ("threshold", "min_area", "gate")}
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}: not a cloudseg postprocess.json ({type(error).__name__}: {error})") from None

@@ -12,7 +12,7 @@ from cloudseg.checkpoint import load_checkpoint
 from cloudseg.config import from_dict
 from cloudseg.files import atomic_path
 from cloudseg.oof import OOF_FILE, read_oof
-from cloudseg.postprocess import GATES, MIN_AREAS, THRESHOLDS, TOP_K, grid_scores
+from cloudseg.postprocess import GATES, MIN_AREAS, RULE_KEYS, THRESHOLDS, TOP_K, grid_scores
 from cloudseg.task import LABELS
 
 
@@ -25,13 +25,13 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     ids, probs, truth = pool([Path(r) for r in run_dirs])
     current = from_dict(load_checkpoint(Path(run_dirs[0]) / "last.pt")["config"]).predict
     started = time.perf_counter()
-    rule = {"threshold": [], "min_area": [], "gate": []}
+    rule = {key: [] for key in RULE_KEYS}
     before, after = {}, {}
     for c, label in enumerate(LABELS):
-        grid = [sorted(set(values) | {mine}) for values, mine in
-                ((THRESHOLDS, current.threshold[c]), (MIN_AREAS, current.min_area[c]), (GATES, current.gate[c]))]
+        mine = (current.threshold[c], current.min_area[c], current.gate[c])
+        grid = [sorted(set(values) | {value}) for values, value in zip((THRESHOLDS, MIN_AREAS, GATES), mine)]
         scores = grid_scores(probs[:, c], truth[:, c], *grid)
-        before[label] = float(scores[tuple(g.index(m) for g, m in zip(grid, (current.threshold[c], current.min_area[c], current.gate[c])))])
+        before[label] = float(scores[tuple(values.index(value) for values, value in zip(grid, mine))])
         best = np.unravel_index(np.argmax(scores), scores.shape)
         after[label] = float(scores[best])
         for key, values, index in zip(rule, grid, best):

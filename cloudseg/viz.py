@@ -282,7 +282,7 @@ def run_metrics(run_dir: str | Path) -> pd.DataFrame:
 
 def tuned_rule(run_dir: str | Path) -> dict | None:
     """The postprocess.json beside a fold's run directory (written by `make cv`), or None."""
-    import json
+    from cloudseg.postprocess import read_rule_file
 
     path = Path(run_dir).parent / "postprocess.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_rule_file(path) if path.is_file() else None
