@@ -29,6 +29,10 @@ class DataConfig(Section):
     )
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes")
     prefetch_factor: int = Field(2, ge=1, description="micro-batches each worker loads ahead (with num_workers > 0)")
+    on_bad_sample: Literal["raise", "skip"] = Field(
+        "raise", description="a bad image or train.csv row: raise = stop with an error naming it; "
+        "skip = leave it out with a warning, listed in RUN/skipped.csv (run `cloudseg check` first)"
+    )
 
 
 class AugmentConfig(Section):

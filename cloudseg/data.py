@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import albumentations as A
 import cv2
@@ -12,7 +13,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from sklearn.model_selection import StratifiedKFold
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, default_collate
 
 from cloudseg import rle
 from cloudseg.files import atomic_path
@@ -32,12 +33,23 @@ from cloudseg.task import (
 # ---------------------------------------------------------------------------------- CSV
 
 
-def read_label_csv(path: str | Path, *, require_all_labels: bool = True) -> pd.DataFrame:
+class Problem(NamedTuple):
+    """A sample that cannot be used: its image id and a message naming the file or row."""
+
+    image_id: str
+    message: str
+
+
+def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
+                   problems: list[Problem] | None = None) -> pd.DataFrame:
     """A Kaggle-format CSV (`Image_Label,EncodedPixels`) as one row per image.
 
     Returns a frame indexed by image id with one column of RLE strings per label, in
-    `LABELS` order, "" meaning no mask. Errors name the file and the offending line.
-    Every run's syntax is checked here, so a malformed RLE fails before a long run starts.
+    `LABELS` order, "" meaning no mask. Every run's syntax is checked here, so a malformed
+    RLE fails before a long run starts. A bad row (malformed RLE, unknown label, duplicate,
+    an image missing a label) raises a ValueError naming the file, line and Image_Label;
+    given a `problems` list, it is appended there instead and its image left out. A missing
+    file or a wrong header always raises.
     """
     path = Path(path)
     if not path.is_file():
@@ -47,45 +59,50 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True) -> pd.D
     missing = [c for c in (ID_COLUMN, RLE_COLUMN) if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; expected header '{ID_COLUMN},{RLE_COLUMN}'")
+    found: list[Problem] = []
+
+    def reject(image_id: str, message: str) -> None:
+        if problems is None:
+            raise ValueError(message)
+        found.append(Problem(image_id, message))
+
     rows = []
     for line, (key, encoded) in enumerate(zip(frame[ID_COLUMN], frame[RLE_COLUMN]), start=2):
         try:
             image_id, label = split_image_label(key)
             rle.parse(encoded)
         except ValueError as error:
-            raise ValueError(f"{path}, line {line} ({key}): {error}") from None
+            reject(key.rpartition("_")[0] or key, f"{path}, line {line} ({key}): {error}")
+            continue
         rows.append((image_id, label, encoded.strip(), line))
     long = pd.DataFrame(rows, columns=["image_id", "label", "rle", "line"])
-    _reject_duplicates(long, path)
+    for (image_id, label), lines in long.groupby(["image_id", "label"], sort=False)["line"]:
+        if len(lines) > 1:
+            reject(image_id, f"{path}: duplicate {ID_COLUMN} {image_id}_{label} on lines {lines.tolist()}")
+    long = long.drop_duplicates(["image_id", "label"], keep=False)
     table = long.pivot(index="image_id", columns="label", values="rle").reindex(columns=list(LABELS))
-    if require_all_labels and table.isna().any(axis=None):
-        image_id = table.index[table.isna().any(axis=1)][0]
-        absent = [label for label in LABELS if pd.isna(table.loc[image_id, label])]
-        raise ValueError(f"{path}: image {image_id} has no row for label(s) {absent}")
-    table = table.fillna("")
     table = table.loc[long["image_id"].drop_duplicates()]  # keep the file's image order
+    if require_all_labels:
+        rejected = {problem.image_id for problem in found}
+        for image_id in table.index[table.isna().any(axis=1)].difference(rejected, sort=False):
+            absent = [label for label in LABELS if pd.isna(table.loc[image_id, label])]
+            reject(image_id, f"{path}: image {image_id} has no row for label(s) {absent}")
+    if found:
+        problems.extend(found)
+        table = table.drop(index=[p.image_id for p in found], errors="ignore")
+    table = table.fillna("")
     table.columns.name = None
     return table
 
 
-def _reject_duplicates(long: pd.DataFrame, path: Path) -> None:
-    duplicated = long[long.duplicated(["image_id", "label"], keep=False)]
-    if len(duplicated):
-        first = duplicated.iloc[0]
-        lines = duplicated.loc[
-            (duplicated.image_id == first.image_id) & (duplicated.label == first.label), "line"
-        ].tolist()
-        raise ValueError(f"{path}: duplicate {ID_COLUMN} {first.image_id}_{first.label} on lines {lines}")
-
-
-def read_train_csv(data_dir: str | Path) -> pd.DataFrame:
+def read_train_csv(data_dir: str | Path, problems: list[Problem] | None = None) -> pd.DataFrame:
     """`data_dir/train.csv` as one row per image, four RLE columns (see `read_label_csv`)."""
-    return read_label_csv(Path(data_dir) / TRAIN_CSV)
+    return read_label_csv(Path(data_dir) / TRAIN_CSV, problems=problems)
 
 
-def test_image_ids(data_dir: str | Path) -> list[str]:
+def test_image_ids(data_dir: str | Path, problems: list[Problem] | None = None) -> list[str]:
     """Test image ids in the order of `sample_submission.csv`."""
-    return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV).index.tolist()
+    return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV, problems=problems).index.tolist()
 
 
 def decode_masks(table: pd.DataFrame, image_id: str, shape, source) -> list[np.ndarray]:
@@ -103,7 +120,11 @@ def decode_masks(table: pd.DataFrame, image_id: str, shape, source) -> list[np.n
 
 
 def read_image(path: str | Path, expected_shape: tuple[int, int] | None = None) -> np.ndarray:
-    """An RGB image as an H×W×3 uint8 array; errors name the file."""
+    """An RGB image as an H×W×3 uint8 array; errors name the file.
+
+    Grayscale and CMYK JPEGs are refused rather than converted: the Kaggle images are all
+    RGB, so one that is not was damaged or swapped, and OpenCV would convert it silently.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: image not found")
@@ -114,6 +135,10 @@ def read_image(path: str | Path, expected_shape: tuple[int, int] | None = None) 
         raise ValueError(f"{path}: not a JPEG file")
     if b"\xff\xd9" not in data[-1024:].tobytes():
         raise ValueError(f"{path}: truncated JPEG (no end-of-image marker)")
+    frame = jpeg_frame(data)
+    if frame is not None and frame.components != 3:  # None: no frame header; OpenCV says corrupt
+        kind = {1: "grayscale", 4: "CMYK"}.get(frame.components, f"{frame.components}-channel")
+        raise ValueError(f"{path}: {kind} JPEG; expected a 3-channel RGB image")
     image = cv2.imdecode(data, cv2.IMREAD_COLOR)
     if image is None:
         raise ValueError(f"{path}: corrupt JPEG, OpenCV cannot decode it")
@@ -122,6 +147,35 @@ def read_image(path: str | Path, expected_shape: tuple[int, int] | None = None) 
             f"{path}: image is {image.shape[0]}x{image.shape[1]}, expected {expected_shape[0]}x{expected_shape[1]}"
         )
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+# Start-of-frame markers (baseline, progressive, lossless, ...); C4, C8 and CC are other segments.
+_START_OF_FRAME = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+class JpegFrame(NamedTuple):
+    height: int
+    width: int
+    components: int  # 1 grayscale, 3 YCbCr/RGB, 4 CMYK
+
+
+def jpeg_frame(data: bytes | np.ndarray) -> JpegFrame | None:
+    """Size and colour components from a JPEG's frame header, without decoding the image;
+    None when there is no readable frame header (OpenCV then reports the file as corrupt)."""
+    data = data.tobytes() if isinstance(data, np.ndarray) else data
+    position = 2  # after the start-of-image marker
+    while position + 4 <= len(data) and data[position] == 0xFF:
+        marker = data[position + 1]
+        if marker == 0xFF:  # fill byte
+            position += 1
+            continue
+        if marker in _START_OF_FRAME:
+            header = data[position + 5 : position + 10]
+            if len(header) < 5:
+                return None
+            return JpegFrame(int.from_bytes(header[0:2], "big"), int.from_bytes(header[2:4], "big"), header[4])
+        position += 2 + int.from_bytes(data[position + 2 : position + 4], "big")
+    return None
 
 
 def image_shape(path: str | Path) -> tuple[int, int]:
@@ -156,24 +210,43 @@ class CloudDataset(Dataset):
     `LABELS` order, train split only) and `image_id`. `image_size` is the (H, W) every image
     must have; None takes it from the first image. `transform` is an albumentations
     transform applied to image and masks together.
+
+    `on_bad_sample="raise"`: a bad CSV row or image raises an error naming the file or row.
+    `"skip"`: bad CSV rows leave their images out (listed in `skipped`), and a bad image
+    gives the item `{"image_id", "problem"}`, which `collate` moves aside.
     """
 
-    def __init__(self, data_dir, split="train", image_ids=None, transform=None, image_size=None):
+    def __init__(self, data_dir, split="train", image_ids=None, transform=None, image_size=None,
+                 on_bad_sample: str = "raise"):
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if on_bad_sample not in ("raise", "skip"):
+            raise ValueError(f"on_bad_sample must be 'raise' or 'skip', got {on_bad_sample!r}")
         self.data_dir = Path(data_dir)
         self.split = split
+        self.on_bad_sample = on_bad_sample
+        self.skipped: list[Problem] = []  # rows of the CSV left out (skip mode)
+        sink = self.skipped if on_bad_sample == "skip" else None
         self.image_dir = self.data_dir / (TRAIN_IMAGES if split == "train" else TEST_IMAGES)
-        self.labels = read_train_csv(self.data_dir) if split == "train" else None
-        all_ids = self.labels.index.tolist() if split == "train" else test_image_ids(self.data_dir)
-        self.image_ids = list(all_ids if image_ids is None else image_ids)
+        self.labels = read_train_csv(self.data_dir, sink) if split == "train" else None
+        all_ids = self.labels.index.tolist() if split == "train" else test_image_ids(self.data_dir, sink)
+        left_out = {problem.image_id for problem in self.skipped}
+        self.image_ids = [i for i in (all_ids if image_ids is None else image_ids) if i not in left_out]
         unknown = sorted(set(self.image_ids) - set(all_ids))
         if unknown:
             raise KeyError(f"{len(unknown)} image id(s) not in the {split} split of {self.data_dir}, e.g. {unknown[0]}")
         self.transform = transform
-        if image_size is None and self.image_ids:
-            image_size = image_shape(self.image_dir / self.image_ids[0])
-        self.image_size = tuple(image_size) if image_size is not None else None
+        self.image_size = tuple(image_size) if image_size is not None else self._first_image_size()
+
+    def _first_image_size(self) -> tuple[int, int] | None:
+        """(H, W) of the first image (in skip mode: the first readable one)."""
+        for image_id in self.image_ids:
+            try:
+                return read_image(self.image_dir / image_id).shape[:2]
+            except (ValueError, FileNotFoundError):
+                if self.on_bad_sample == "raise":
+                    raise
+        return None
 
     def __len__(self) -> int:
         return len(self.image_ids)
@@ -184,19 +257,51 @@ class CloudDataset(Dataset):
         if seed is not None and self.transform is not None:
             self.transform.set_random_seed(seed)
         image_id = self.image_ids[index]
-        image = read_image(self.image_dir / image_id, self.image_size)
+        try:
+            image, masks = self._read(image_id)
+        except (ValueError, FileNotFoundError) as error:
+            if self.on_bad_sample == "raise":
+                raise
+            return {"image_id": image_id, "problem": str(error)}
         item = {"image_id": image_id}
-        if self.labels is None:
+        if masks is None:
             if self.transform is not None:
                 image = self.transform(image=image)["image"]
         else:
-            mask = cv2.merge(decode_masks(self.labels, image_id, self.image_size, self.data_dir / TRAIN_CSV))
+            mask = cv2.merge(masks)
             if self.transform is not None:
                 out = self.transform(image=image, mask=mask)
                 image, mask = out["image"], out["mask"]
             item["mask"] = _chw_tensor(mask)
         item["image"] = _chw_tensor(image)
         return item
+
+    def _read(self, image_id: str) -> tuple[np.ndarray, list[np.ndarray] | None]:
+        """The image and (train split) its four masks; errors name the file or row."""
+        image = read_image(self.image_dir / image_id, self.image_size)
+        if self.labels is None:
+            return image, None
+        return image, decode_masks(self.labels, image_id, self.image_size, self.data_dir / TRAIN_CSV)
+
+
+def readable(batches, skipped: list[Problem]):
+    """The batches (of `collate`) with their unreadable samples moved into `skipped`; a batch
+    left with no image is dropped."""
+    for batch in batches:
+        skipped.extend(batch.pop("skipped", []))
+        if "image" in batch:
+            yield batch
+
+
+def collate(items: list[dict]) -> dict:
+    """A batch of the readable items; unreadable ones (skip mode) as Problems under "skipped".
+
+    A batch whose every item was unreadable has no "image" key.
+    """
+    readable = [item for item in items if "problem" not in item]
+    batch = default_collate(readable) if readable else {}
+    batch["skipped"] = [Problem(item["image_id"], item["problem"]) for item in items if "problem" in item]
+    return batch
 
 
 class EpochSampler(Sampler):
@@ -287,10 +392,14 @@ def make_folds(labels: pd.DataFrame, n_folds: int = 5, seed: int = 42) -> pd.Ser
     return pd.Series(fold, index=labels.index, name="fold")
 
 
-def load_folds(data_dir: str | Path, n_folds: int = 5, seed: int = 42) -> pd.Series:
-    """Folds saved in `data_dir/folds.csv`, made and saved on first use so every run shares them."""
+def load_folds(data_dir: str | Path, n_folds: int = 5, seed: int = 42,
+               problems: list[Problem] | None = None) -> pd.Series:
+    """Folds saved in `data_dir/folds.csv`, made and saved on first use so every run shares them.
+
+    With a `problems` list, images with bad train.csv rows are left out (see `read_label_csv`).
+    """
     path = Path(data_dir) / FOLDS_CSV
-    labels = read_train_csv(data_dir)
+    labels = read_train_csv(data_dir, problems)
     if not path.is_file():
         folds = make_folds(labels, n_folds, seed)
         with atomic_path(path) as tmp:
@@ -300,7 +409,7 @@ def load_folds(data_dir: str | Path, n_folds: int = 5, seed: int = 42) -> pd.Ser
     if list(saved.columns) != ["image_id", "fold"]:
         raise ValueError(f"{path}: expected columns image_id,fold, got {','.join(saved.columns)}")
     folds = saved.set_index("image_id")["fold"]
-    if set(folds.index) != set(labels.index) or folds.nunique() != n_folds:
+    if not set(labels.index) <= set(folds.index) or folds.nunique() != n_folds:
         raise ValueError(
             f"{path} does not match {TRAIN_CSV} with {n_folds} folds "
             f"({len(folds)} images in {folds.nunique()} folds vs {len(labels)} images); delete it to re-split"
@@ -313,3 +422,11 @@ def split_by_fold(folds: pd.Series, fold: int) -> tuple[list[str], list[str]]:
     if fold not in set(folds):
         raise ValueError(f"fold {fold} does not exist; folds are {sorted(set(folds))}")
     return folds.index[folds != fold].tolist(), folds.index[folds == fold].tolist()
+
+
+def fold_ids(data_config, seed: int) -> tuple[list[str], list[str]]:
+    """(train ids, validation ids) for a config's `data` section (folds made with `seed`);
+    in skip mode, images with bad train.csv rows are left out (the datasets list them)."""
+    skip = data_config.on_bad_sample == "skip"
+    folds = load_folds(data_config.dir, data_config.n_folds, seed, problems=[] if skip else None)
+    return split_by_fold(folds, data_config.fold)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from cloudseg.config import Config
-from cloudseg.data import CloudDataset, load_folds, split_by_fold
+from cloudseg.data import CloudDataset, collate, fold_ids, readable
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_masks, resize_probs
 from cloudseg.model import autocast_dtype
@@ -29,19 +29,20 @@ OOF_FILE = "oof.npz"
 @torch.no_grad()
 def predict_oof(model, config: Config, device) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(ids, uint8 probabilities, true masks) of the held-out fold of `config`, at 350×525."""
-    folds = load_folds(config.data.dir, config.data.n_folds, config.seed)
-    _, valid_ids = split_by_fold(folds, config.data.fold)
-    dataset = CloudDataset(config.data.dir, "train", valid_ids, None, config.data.image_size)
-    loader = DataLoader(dataset, batch_size=config.predict.batch_size, num_workers=config.data.num_workers)
+    _, valid_ids = fold_ids(config.data, config.seed)
+    dataset = CloudDataset(config.data.dir, "train", valid_ids, None, config.data.image_size, config.data.on_bad_sample)
+    loader = DataLoader(dataset, batch_size=config.predict.batch_size, num_workers=config.data.num_workers,
+                        collate_fn=collate)
     dtype = autocast_dtype(config.train.precision, device)
     model.eval()
-    probs, truth = [], []
-    for batch in tqdm(loader, desc="out-of-fold", unit="batch", disable=None):
+    ids, probs, truth = [], [], []
+    for batch in tqdm(readable(loader, []), desc="out-of-fold", unit="batch", disable=None):  # validation reported skips
+        ids.extend(batch["image_id"])
         images = batch["image"].to(device)
         probs8 = quantize(resize_probs(predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black)).cpu().numpy())
         probs.append(probs8)
         truth.append(resize_masks(batch["mask"]).numpy().astype(bool))
-    return valid_ids, np.concatenate(probs), np.concatenate(truth)
+    return ids, np.concatenate(probs), np.concatenate(truth)
 
 
 def write_oof(path: str | Path, image_ids, probs: np.ndarray, truth: np.ndarray) -> None:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from cloudseg.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from cloudseg.config import Config, dump
-from cloudseg.data import CloudDataset, EpochSampler, build_transform, load_folds, split_by_fold
+from cloudseg.data import CloudDataset, EpochSampler, Problem, build_transform, collate, fold_ids, readable
 from cloudseg.files import atomic_path
 from cloudseg.metrics import dice, resize_masks, resize_probs, summarize
 from cloudseg.memory import resolve_micro_batch
@@ -44,6 +44,7 @@ from cloudseg.task import LABELS
 from cloudseg.viz import plot_curves
 
 log = logging.getLogger("cloudseg")
+SKIPPED_CSV = "skipped.csv"
 
 
 # ---------------------------------------------------------------------------------- loss
@@ -164,11 +165,12 @@ def lr_schedule(optimizer, train_config, total_steps: int) -> torch.optim.lr_sch
 
 
 @torch.no_grad()
-def validate(model, loader, device, dtype, config: Config) -> dict[str, float]:
-    """Validation loss at native size and Kaggle Dice (mean and per class) at 350×525."""
+def validate(model, loader, device, dtype, config: Config, skipped: list[Problem] | None = None) -> dict[str, float]:
+    """Validation loss at native size and Kaggle Dice (mean and per class) at 350×525;
+    unreadable samples (skip mode) go into `skipped`."""
     model.eval()
     losses, pair_dice = [], []
-    for batch in loader:
+    for batch in readable(loader, [] if skipped is None else skipped):
         images, masks = batch["image"].to(device), batch["mask"].to(device)
         probs = predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black)
         losses.append(per_image_loss(torch.logit(probs, eps=1e-6), masks, config.train.dice_weight).cpu())
@@ -208,6 +210,7 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
         run_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(run_dir / "config.yaml") as tmp:
             tmp.write_text(dump(config))
+        report_skipped(train_set.skipped, None, run_dir, "bad rows of train.csv")
     board = SummaryWriter(run_dir / "tb")  # `make tensorboard` shows it
     sampler = EpochSampler(len(train_set), config.seed)
     train_loader = loader(train_set, config, device, sampler=sampler)
@@ -218,7 +221,8 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     micro_batch = config.train.micro_batch
     with stop_requests() as stop_requested:
         for epoch in range(start_epoch, config.train.epochs):
-            progress = progress or {"windows": 0, "losses": [], "images": 0, "skipped": 0, "seconds": 0.0}
+            progress = progress or {"windows": 0, "losses": [], "images": 0, "skipped": 0, "seconds": 0.0,
+                                    "skipped_samples": []}
             sampler.set_epoch(epoch, start=progress["windows"] * config.train.effective_batch)
             micro_batch = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype, config,
                                       micro_batch, f"epoch {epoch + 1}/{config.train.epochs}", progress, stop_requested)
@@ -230,7 +234,9 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
                 save_checkpoint(run_dir / "last.pt", state)
                 raise Interrupted(f"stopped after window {progress['windows']} of epoch {epoch + 1}; "
                                   f"continue with: cloudseg train --resume {run_dir}")
-            history.append(epoch_row(epoch, scheduler, progress, validate(model, valid_loader, device, dtype, config), device))
+            validation = validate(model, valid_loader, device, dtype, config, progress["skipped_samples"])
+            report_skipped(progress["skipped_samples"], epoch + 1, run_dir, f"unreadable samples in epoch {epoch + 1}")
+            history.append(epoch_row(epoch, scheduler, progress, validation, device))
             record(history, run_dir, board)
             state.update(epoch=epoch + 1, metrics=history, progress=None)
             save_checkpoint(run_dir / "last.pt", state)
@@ -295,6 +301,10 @@ def train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype
     bar = tqdm(windows(train_loader, config.train.accumulation_steps), desc=desc, unit="step", disable=None,
                total=math.ceil(len(train_loader.sampler) / config.train.effective_batch))
     for window in bar:
+        window = list(readable(window, progress["skipped_samples"]))
+        if not window:  # every sample unreadable (skip mode): nothing to learn from
+            progress["windows"] += 1
+            continue
         step, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype, config.train, micro_batch)
         progress["windows"] += 1
         progress["images"] += sum(len(batch["image"]) for batch in window)
@@ -322,7 +332,8 @@ def epoch_row(epoch: int, scheduler, progress: dict, validation: dict, device) -
     return {"epoch": epoch + 1, "step": scheduler.last_epoch, "lr": scheduler.get_last_lr()[0],
             "train_loss": float(np.mean(losses)) if losses else math.nan, **validation,
             "images_per_s": progress["images"] / max(progress["seconds"], 1e-9),
-            "peak_memory_mb": peak_memory_mb(device), "skipped_windows": progress["skipped"]}
+            "peak_memory_mb": peak_memory_mb(device), "skipped_windows": progress["skipped"],
+            "skipped_samples": len(progress["skipped_samples"])}
 
 
 def record(history: list[dict], run_dir: Path, board: SummaryWriter) -> None:
@@ -344,17 +355,18 @@ def write_best_oof(model, config: Config, device, run_dir: Path) -> None:
 
 def datasets(config: Config) -> tuple[CloudDataset, CloudDataset]:
     """Training folds (augmented) and the held-out fold of `config.data`."""
-    folds = load_folds(config.data.dir, config.data.n_folds, config.seed)
-    train_ids, valid_ids = split_by_fold(folds, config.data.fold)
-    train_set = CloudDataset(config.data.dir, "train", train_ids, None, config.data.image_size)
+    policy = config.data.on_bad_sample
+    train_ids, valid_ids = fold_ids(config.data, config.seed)
+    train_set = CloudDataset(config.data.dir, "train", train_ids, None, config.data.image_size, policy)
     train_set.transform = build_transform(**config.augment.model_dump(), image_size=train_set.image_size)
-    valid_set = CloudDataset(config.data.dir, "train", valid_ids, None, train_set.image_size)
+    valid_set = CloudDataset(config.data.dir, "train", valid_ids, None, train_set.image_size, policy)
     return train_set, valid_set
 
 
 def loader(dataset, config: Config, device, sampler=None) -> DataLoader:
     workers = config.data.num_workers
     return DataLoader(dataset, batch_size=config.train.micro_batch, sampler=sampler, num_workers=workers,
+                      collate_fn=collate,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                       prefetch_factor=config.data.prefetch_factor if workers else None)
 
@@ -370,6 +382,21 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def report_skipped(problems: list[Problem], epoch: int | None, run_dir: Path, what: str) -> None:
+    """Warn about samples left out (skip mode) and append them to RUN/skipped.csv
+    (epoch empty for bad train.csv rows, which no epoch sees)."""
+    if not problems:
+        return
+    log.warning("%s: %d left out (%s):\n  %s", what, len(problems), run_dir / SKIPPED_CSV,
+                "\n  ".join(problem.message for problem in problems))
+    path = run_dir / SKIPPED_CSV
+    rows = pd.DataFrame([("" if epoch is None else epoch, p.image_id, p.message) for p in problems], columns=["epoch", "image_id", "problem"])
+    if path.is_file():
+        rows = pd.concat([pd.read_csv(path, dtype=str, keep_default_na=False), rows.astype(str)])
+    with atomic_path(path) as tmp:
+        rows.to_csv(tmp, index=False)
 
 
 def write_metrics(history: list[dict], path: Path) -> None:

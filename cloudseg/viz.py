@@ -136,7 +136,7 @@ def label_stats(labels: pd.DataFrame) -> dict[str, pd.DataFrame | pd.Series]:
     """Share of images with each label, the label co-occurrence matrix, labels per image."""
     present = labels[list(LABELS)].ne("").astype(int)
     return {"frequency": present.mean(), "cooccurrence": present.T @ present,
-            "per_image": present.sum(1).value_counts().sort_index()}
+            "per_image": present.sum(axis=1).value_counts().sort_index()}
 
 
 def mask_stats(labels: pd.DataFrame, shape, limit: int = 500, seed: int = 0) -> pd.DataFrame:
