@@ -22,9 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:
         if args.debug:
             raise
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"cloudseg: error: {message}", file=sys.stderr)
+        print(f"cloudseg: error: {one_line(error)}", file=sys.stderr)
         return 2
+
+
+def one_line(error: Exception) -> str:
+    """The message of a user error, without a traceback."""
+    text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+    if "Original Traceback" in text:  # re-raised from a DataLoader worker, its traceback in the message
+        text = text.strip().splitlines()[-1].partition(": ")[2]
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     folds.add_argument("--n-folds", type=int, default=5)
     folds.add_argument("--seed", type=int, default=42)
     folds.set_defaults(run=run_folds)
+
+    check = commands.add_parser("check", help="read every CSV row and image as training would; report every problem")
+    check.add_argument("--data-dir", required=True, help="Kaggle-layout folder")
+    check.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
+                       help="expected size (default: the size most images have)")
+    check.add_argument("--workers", type=int, help="reader processes (default: one per CPU core)")
+    check.set_defaults(run=run_check)
 
     train = commands.add_parser("train", help="train a UNet at native resolution")
     train.add_argument("-c", "--config", help="YAML config (see configs/); not needed with --resume")
@@ -123,6 +137,20 @@ def run_folds(args) -> None:
     present.insert(0, "images", folds.value_counts().sort_index())
     print(f"{args.data_dir}/{FOLDS_CSV}: share of images with each label, per fold")
     print(present.round(3).to_string())
+
+
+def run_check(args) -> int:
+    from cloudseg.check import check_dataset
+
+    problems, summary = check_dataset(args.data_dir, args.image_size, args.workers)
+    print("\n".join(summary))
+    if not problems:
+        print("no problems found")
+        return 0
+    print(f"{len(problems)} problem(s):")
+    for problem in problems:
+        print(f"  {problem.message}")
+    return 1
 
 
 def run_train(args) -> int | None:

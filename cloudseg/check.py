@@ -1,0 +1,63 @@
+"""`cloudseg check`: read every sample the way training and prediction read it, and report
+every problem at once, before a long run finds the first one."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from cloudseg.data import CloudDataset, Problem, collate, jpeg_frame, readable
+from cloudseg.task import IMAGE_SHAPE
+
+HEADER_BYTES = 1 << 16  # a JPEG's frame header sits in its first segments
+
+
+def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = None,
+                  workers: int | None = None) -> tuple[list[Problem], list[str]]:
+    """(problems, summary lines) for the Kaggle-layout folder `data_dir`.
+
+    Each split's CSV rows and images go through `CloudDataset` in skip mode, so every bad
+    row and every unreadable, grayscale/CMYK or wrongly sized image is one Problem. The
+    expected size is `image_size`, or else the size most image headers give.
+    """
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"{data_dir}: no such folder")
+    splits, problems = {}, []
+    for split in ("train", "test"):
+        try:
+            splits[split] = CloudDataset(data_dir, split, on_bad_sample="skip")
+        except (ValueError, FileNotFoundError) as error:  # a missing CSV or a wrong header
+            problems.append(Problem("", str(error)))
+    image_size = tuple(image_size or most_common_size(splits.values()) or IMAGE_SHAPE)
+    summary = [f"{data_dir}: expected image size {image_size[0]}x{image_size[1]}"]
+    for split, dataset in splits.items():
+        dataset.image_size = image_size
+        bad_images = []
+        loader = DataLoader(dataset, batch_size=1, num_workers=os.cpu_count() if workers is None else workers,
+                            collate_fn=collate)
+        for _ in readable(tqdm(loader, desc=f"checking {split}", unit="image", disable=None), bad_images):
+            pass
+        summary.append(f"{split}: {len(dataset)} images with valid rows; {len(dataset.skipped)} bad rows, "
+                       f"{len(bad_images)} bad images")
+        problems += dataset.skipped + bad_images
+    return problems, summary
+
+
+def most_common_size(datasets) -> tuple[int, int] | None:
+    """The (H, W) most image files of the datasets have, read from their JPEG headers."""
+    sizes = Counter()
+    for dataset in datasets:
+        for image_id in dataset.image_ids:
+            try:
+                with open(dataset.image_dir / image_id, "rb") as file:
+                    frame = jpeg_frame(file.read(HEADER_BYTES))
+            except OSError:
+                continue
+            if frame is not None:
+                sizes[frame.height, frame.width] += 1
+    return sizes.most_common(1)[0][0] if sizes else None
