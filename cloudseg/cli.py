@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    exit_on_sigterm()
     try:
         return args.run(args) or 0
     except USER_ERRORS as error:
@@ -24,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cloudseg: error: {one_line(error)}", file=sys.stderr)
         return 2
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM exits through Python's unwinding, so a file being written is removed, not left
+    as a temporary (training replaces this with a graceful stop)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def one_line(error: Exception) -> str:
