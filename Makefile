@@ -13,6 +13,9 @@ DATA    ?= data/kaggle
 SYNTH   := data/synthetic
 SYNTH_ARGS ?= --n-train 160 --n-test 40 --height 192 --width 288 --seed 0
 ARGS    ?=
+# make train NPROC=N: N processes (one per GPU) through torchrun, DDP.
+NPROC   ?= 1
+TRAIN   := $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m cloudseg train,$(PY) -m cloudseg train)
 # make predict: the latest run unless RUN is named.
 RUN     ?= $(patsubst %/,%,$(shell ls -td runs/*/ 2>/dev/null | head -1))
 SUBMISSION ?= submission.csv
@@ -25,7 +28,7 @@ CV_DIR  ?= runs/cv
 
 help:
 	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
-	@echo "               without data/kaggle: the synthetic demo) [ARGS='key=value ...']"
+	@echo "               without data/kaggle: the synthetic demo) [ARGS='key=value ...'] [NPROC=N: N GPUs, DDP]"
 	@echo "make predict   RUN's best.pt (default: latest run) -> $(SUBMISSION), scored when the data has a solution"
 	@echo "make cv        train every fold in FOLDS into CV_DIR/foldK, then tune on their OOF probabilities"
 	@echo "               (demo without data/kaggle: folds 0 and 1 of the synthetic data)"
@@ -70,7 +73,7 @@ clean:
 
 train: $(STAMP)
 	@if [ -d "$(DATA)" ]; then \
-	  $(PY) -m cloudseg train -c $(CONFIG) data.dir=$(DATA) $(ARGS); \
+	  $(TRAIN) -c $(CONFIG) --out runs/$$(date +%Y%m%d-%H%M%S) data.dir=$(DATA) $(ARGS); \
 	elif [ "$(origin DATA)" != "file" ]; then \
 	  echo "make train: no data at DATA=$(DATA)"; exit 1; \
 	else \
@@ -79,7 +82,7 @@ train: $(STAMP)
 	  echo "# (configs/demo.yaml). For the real job: make data, then make train."; \
 	  echo "################################################################################"; \
 	  [ -f $(SYNTH)/train.csv ] || $(PY) -m cloudseg synth --out $(SYNTH) $(SYNTH_ARGS) || exit 1; \
-	  $(PY) -m cloudseg train -c configs/demo.yaml data.dir=$(SYNTH) $(ARGS); \
+	  $(TRAIN) -c configs/demo.yaml --out runs/$$(date +%Y%m%d-%H%M%S) data.dir=$(SYNTH) $(ARGS); \
 	fi
 
 predict: $(STAMP)
@@ -112,7 +115,7 @@ cv: $(STAMP)
 	for k in $$folds; do \
 	  if [ -f $(CV_DIR)/fold$$k/oof.npz ]; then echo "fold $$k: done ($(CV_DIR)/fold$$k)"; continue; fi; \
 	  if [ -f $(CV_DIR)/fold$$k/last.pt ]; then resume="--resume $(CV_DIR)/fold$$k"; else resume="-c $$config --out $(CV_DIR)/fold$$k"; fi; \
-	  $(PY) -m cloudseg train $$resume data.dir=$$data data.fold=$$k $(ARGS) || exit 1; \
+	  $(TRAIN) $$resume data.dir=$$data data.fold=$$k $(ARGS) || exit 1; \
 	done
 	$(MAKE) --no-print-directory tune
 

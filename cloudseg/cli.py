@@ -166,6 +166,7 @@ def run_check(args) -> int:
 def run_train(args) -> int | None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from cloudseg import distributed
     from cloudseg.checkpoint import load_checkpoint
     from cloudseg.config import apply_overrides, from_dict, load_config
     from cloudseg.train import Interrupted, train
@@ -178,13 +179,18 @@ def run_train(args) -> int | None:
         if not args.config:
             raise ValueError("train needs -c CONFIG (or --resume RUN_DIR)")
         config = load_config(args.config, args.overrides)
+        if not args.out and distributed.world_size() > 1:  # each process would pick its own timestamp
+            raise ValueError("train on several processes needs --out RUN_DIR")
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "last.pt").exists():
             raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "train.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    logging.getLogger().addHandler(handler)
+    if distributed.is_main():  # one log: the other processes say only warnings, on stderr
+        handler = logging.FileHandler(run_dir / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logging.getLogger().addHandler(handler)
+    else:
+        logging.getLogger().setLevel(logging.WARNING)
     try:
         with logging_redirect_tqdm():
             history = train(config, run_dir, resume=bool(args.resume))
@@ -192,7 +198,8 @@ def run_train(args) -> int | None:
         print(f"cloudseg: {stopped}", file=sys.stderr)
         return 130
     best = history.loc[history["dice"].idxmax()]
-    print(f"run {run_dir}: best validation Dice {best['dice']:.4f} at epoch {int(best['epoch'])}")
+    if distributed.is_main():
+        print(f"run {run_dir}: best validation Dice {best['dice']:.4f} at epoch {int(best['epoch'])}")
 
 
 def run_predict(args) -> None:

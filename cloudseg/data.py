@@ -309,22 +309,41 @@ class EpochSampler(Sampler):
 
     Data order and augmentation are then the same whatever the number of workers, and a
     run resumed at epoch k sees exactly what an uninterrupted run saw.
+
+    On several processes (`world` > 1) each optimizer window of `window` consecutive pairs
+    is cut into micro-batches of `chunk`, dealt to the ranks in turn: every rank sees the
+    micro-batches a single process would have, so the summed gradient (and BatchNorm's
+    per-micro-batch statistics) are the same.
     """
 
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, seed: int, window: int | None = None, chunk: int | None = None,
+                 rank: int = 0, world: int = 1):
         self.size, self.seed, self.epoch, self.start = size, seed, 0, 0
+        self.window, self.chunk, self.rank, self.world = window or size or 1, chunk or 1, rank, world
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Serve `epoch`'s order from position `start` (to resume an interrupted epoch)."""
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.size - self.start
+        return len(self._pairs())
 
     def __iter__(self):
+        return iter(self._pairs())
+
+    def _pairs(self) -> list[tuple[int, int]]:
         rng = np.random.default_rng([self.seed, self.epoch])
         order, seeds = rng.permutation(self.size), rng.integers(0, 2**31, self.size)
-        return iter(list(zip(order.tolist(), seeds.tolist()))[self.start :])
+        pairs = list(zip(order.tolist(), seeds.tolist()))[self.start :]
+        if self.world == 1:
+            return pairs
+        mine = []
+        for begin in range(0, len(pairs), self.window):
+            window = pairs[begin : begin + self.window]
+            chunks = [window[i : i + self.chunk] for i in range(0, len(window), self.chunk)]
+            for chunk in chunks[self.rank :: self.world]:
+                mine += chunk
+        return mine
 
 
 def _chw_tensor(array: np.ndarray) -> torch.Tensor:

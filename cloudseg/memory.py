@@ -99,19 +99,23 @@ def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size,
     return peak + 2 * parameter_bytes(model)  # AdamW's exp_avg and exp_avg_sq, allocated at the first step
 
 
-def resolve_micro_batch(config: Config, model: CloudNet, image_size, device) -> int:
-    """`train.micro_batch`, probing the largest that fits when it is `auto`."""
+def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, world: int = 1) -> int:
+    """`train.micro_batch`, probing the largest that fits when it is `auto` (`world`: processes
+    that share each window)."""
     micro_batch = config.train.micro_batch
     if micro_batch != "auto":
         return micro_batch
-    candidates = divisors(config.train.effective_batch)
+    if config.train.effective_batch % world:
+        raise ValueError(f"train.effective_batch ({config.train.effective_batch}) must be a multiple of "
+                         f"the number of processes ({world})")
+    candidates = divisors(config.train.effective_batch // world)
     if device.type != "cuda":
         chosen = max(d for d in candidates if d <= 4)
         log.info("train.micro_batch=auto on %s: nothing to probe, using %d", device, chosen)
         return chosen
     capacity = torch.cuda.get_device_properties(device).total_memory
     chosen = largest_fitting(candidates, lambda n: measured_peak(model, config, n, image_size, device), capacity)
-    log.info("train.micro_batch=auto: %d fits (accumulation %d)", chosen, config.train.effective_batch // chosen)
+    log.info("train.micro_batch=auto: %d fits (accumulation %d)", chosen, config.train.effective_batch // world // chosen)
     return chosen
 
 

@@ -96,7 +96,8 @@ def train_mode(model: CloudNet, norm: str) -> None:
     """model.train(), except that `norm: frozen` keeps the encoder's norm layers in eval mode."""
     model.train()
     if norm == "frozen":
-        for module in model.unet.encoder.modules():
+        net = getattr(model, "module", model)  # inside DistributedDataParallel
+        for module in net.unet.encoder.modules():
             if isinstance(module, _BatchNorm):
                 module.eval()
 
@@ -166,11 +167,11 @@ def _checkpointed(block: nn.Module, forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _norm_statistics_kept(block)), **kwargs)
+                      context_fn=lambda: (contextlib.nullcontext(), norm_statistics_kept(block)), **kwargs)
 
 
 @contextlib.contextmanager
-def _norm_statistics_kept(block: nn.Module):
+def norm_statistics_kept(block: nn.Module):
     """Around the recomputation in backward: BatchNorm computes the same output from the same
     batch, but must not update its running statistics a second time."""
     saved = norm_statistics(block)

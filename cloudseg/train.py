@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from cloudseg import distributed
 from cloudseg.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from cloudseg.config import Config, dump
 from cloudseg.data import CloudDataset, EpochSampler, Problem, build_transform, collate, fold_ids, readable
@@ -36,8 +37,8 @@ from cloudseg.files import atomic_path
 from cloudseg.metrics import dice, resize_masks, resize_probs, summarize
 from cloudseg.memory import resolve_micro_batch
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
-from cloudseg.model import (autocast, autocast_dtype, build_model, norm_statistics, prepare_for_training,
-                            resolve_device, restore_norm_statistics, train_mode)
+from cloudseg.model import (autocast, autocast_dtype, build_model, norm_statistics, norm_statistics_kept,
+                            prepare_for_training, resolve_device, restore_norm_statistics, train_mode)
 from cloudseg.postprocess import postprocess
 from cloudseg.predict import predict_probs
 from cloudseg.task import LABELS
@@ -67,10 +68,17 @@ def per_image_loss(logits: torch.Tensor, masks: torch.Tensor, dice_weight: float
 # ---------------------------------------------------------------------------------- one step
 
 
-def windows(loader, accumulation_steps: int):
-    """Group an epoch's micro-batches into optimizer windows; the last one may be short."""
+def windows(loader, accumulation_steps: int, count: int | None = None):
+    """Group an epoch's micro-batches into optimizer windows; the last one may be short.
+
+    With `count`, exactly that many windows, empty ones after the loader runs out: on several
+    processes every rank must take part in every window, even with nothing of its own.
+    """
     batches = iter(loader)
-    while window := list(itertools.islice(batches, accumulation_steps)):
+    for _ in itertools.count() if count is None else range(count):
+        window = list(itertools.islice(batches, accumulation_steps))
+        if not window and count is None:
+            return
         yield window
 
 
@@ -89,28 +97,35 @@ class Step(NamedTuple):
 
 
 def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_weight,
-               micro_batch: int | None = None) -> Step:
+               micro_batch: int | None = None, window_images: int | None = None, blank: dict | None = None) -> Step:
     """Accumulate one window's gradient, then take one optimizer step (none if the loss or
     gradient is not finite).
 
     `micro_batch` re-cuts the window's batches smaller (after an out-of-memory error): the
-    weights are per image, so the update does not change.
+    weights are per image, so the update does not change. On several processes `model` is
+    DDP, `window` this rank's part and `window_images` the images of all parts; a rank whose
+    part is empty feeds `blank` with weight 0, so that it still joins the all-reduce.
     """
-    window_images = sum(len(batch["image"]) for batch in window)
+    world = distributed.world_size()
+    window_images = window_images or sum(len(batch["image"]) for batch in window)
+    micro_batches = split(window, micro_batch) or [blank]
     window_loss = torch.zeros((), device=device)
-    for batch in split(window, micro_batch):
-        images = batch["image"].to(device, non_blocking=True)
-        masks = batch["mask"].to(device, non_blocking=True)
-        with autocast(device, dtype):
-            logits = model(images)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # loss in >= fp32
-        # This micro-batch's share of the window mean: sum of its per-image losses / window size.
-        loss = per_image_loss(logits, masks, dice_weight).sum() / window_images
-        scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with distributed.gradient_sync(model, now=last), norm_statistics_kept(model) if not window else contextlib.nullcontext():
+            images = batch["image"].to(device, non_blocking=True)
+            masks = batch["mask"].to(device, non_blocking=True)
+            with autocast(device, dtype):
+                logits = model(images)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # loss in >= fp32
+            # This micro-batch's share of the window mean: sum of its per-image losses / window size
+            # (times the number of processes, as DDP averages their gradients).
+            loss = per_image_loss(logits, masks, dice_weight).sum() * (world if window else 0) / window_images
+            scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
         window_loss += loss.detach()
     scaler.unscale_(optimizer)  # once per window, so clipping sees the true gradient
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf).item()
-    loss = window_loss.item()
+    loss = distributed.total(window_loss.item(), device) / world
     if scaler.is_enabled():  # fp16: the scaler skips the step itself when the gradient overflowed
         scale = scaler.get_scale()
         scaler.step(optimizer)
@@ -124,18 +139,22 @@ def train_step(model, window, optimizer, scaler, device, dtype, grad_clip, dice_
     return Step(loss, grad_norm, skipped)
 
 
-def resilient_step(model, window, optimizer, scaler, device, dtype, train_config, micro_batch: int):
+def resilient_step(model, window, optimizer, scaler, device, dtype, train_config, micro_batch: int,
+                   window_images: int | None = None, blank: dict | None = None):
     """`train_step` that survives CUDA out-of-memory: halve the micro-batch (doubling the
     accumulation) and redo the interrupted window from its start, so the update is the one
-    it would have been. Returns (the Step, micro-batch now in use)."""
+    it would have been. Returns (the Step, micro-batch now in use).
+
+    Not on several processes: a redo there would put the ranks' all-reduces out of step.
+    """
     saved_statistics = norm_statistics(model)
     while True:
         try:
-            step = train_step(model, window, optimizer, scaler, device, dtype,
-                              train_config.grad_clip, train_config.dice_weight, micro_batch)
+            step = train_step(model, window, optimizer, scaler, device, dtype, train_config.grad_clip,
+                              train_config.dice_weight, micro_batch, window_images, blank)
             return step, micro_batch
         except torch.cuda.OutOfMemoryError:
-            if micro_batch == 1:
+            if micro_batch == 1 or distributed.world_size() > 1:
                 raise
             optimizer.zero_grad(set_to_none=True)
             restore_norm_statistics(model, saved_statistics)  # undo the failed attempt's BatchNorm updates
@@ -167,18 +186,20 @@ def lr_schedule(optimizer, train_config, total_steps: int) -> torch.optim.lr_sch
 @torch.no_grad()
 def validate(model, loader, device, dtype, config: Config, skipped: list[Problem] | None = None) -> dict[str, float]:
     """Validation loss at native size and Kaggle Dice (mean and per class) at 350×525;
-    unreadable samples (skip mode) go into `skipped`."""
+    unreadable samples (skip mode) go into `skipped`. On several processes each validates
+    its shard and the per-image results are gathered, so every rank returns the same."""
     model.eval()
     losses, pair_dice = [], []
     for batch in readable(loader, [] if skipped is None else skipped):
         images, masks = batch["image"].to(device), batch["mask"].to(device)
         probs = predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black)
-        losses.append(per_image_loss(torch.logit(probs, eps=1e-6), masks, config.train.dice_weight).cpu())
+        losses += per_image_loss(torch.logit(probs, eps=1e-6), masks, config.train.dice_weight).tolist()
         small = resize_probs(probs).cpu().numpy()
         pred = postprocess(small, config.predict.threshold, config.predict.min_area, config.predict.gate)
         pair_dice.append(dice(pred, resize_masks(masks).cpu().numpy()))
+    losses, pair_dice = distributed.gathered(losses), distributed.gathered(pair_dice)
     summary = summarize(np.concatenate(pair_dice))
-    return {"valid_loss": torch.cat(losses).mean().item(), "dice": summary["dice"],
+    return {"valid_loss": float(np.mean(losses)), "dice": summary["dice"],
             **{f"dice_{label}": summary[label] for label in LABELS}}
 
 
@@ -186,9 +207,14 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
 
 
 def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataFrame:
-    """Train `config` into `run_dir` (or continue it from last.pt); returns metrics per epoch."""
+    """Train `config` into `run_dir` (or continue it from last.pt); returns metrics per epoch.
+
+    Under torchrun, each process trains its share of every window (see EpochSampler) and
+    rank 0 alone writes the run directory.
+    """
     run_dir = Path(run_dir)
-    device = resolve_device(config.train.device)
+    device = distributed.start(resolve_device(config.train.device))
+    main_rank = distributed.is_main()
     dtype = autocast_dtype(config.train.precision, device)
     seed_everything(config.seed)
     train_set, valid_set = datasets(config)
@@ -197,7 +223,8 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     prepare_for_training(model, config.train.channels_last, config.train.checkpointing)
     if config.model.norm == "frozen" and config.model.encoder_weights is None:
         log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
-    config.train.micro_batch = resolve_micro_batch(config, model, train_set.image_size, device)
+    config.train.micro_batch = resolve_micro_batch(config, model, train_set.image_size, device, distributed.world_size())
+    accumulation = accumulation_steps(config.train, distributed.world_size())
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
     scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
@@ -206,46 +233,68 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     if resume:
         start_epoch, history, progress = restore(run_dir / "last.pt", model=model, optimizer=optimizer,
                                                  scheduler=scheduler, scaler=scaler)
-    else:
+    elif main_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(run_dir / "config.yaml") as tmp:
             tmp.write_text(dump(config))
         report_skipped(train_set.skipped, None, run_dir, "bad rows of train.csv")
-    board = SummaryWriter(run_dir / "tb")  # `make tensorboard` shows it
-    sampler = EpochSampler(len(train_set), config.seed)
+    board = SummaryWriter(run_dir / "tb") if main_rank else None  # `make tensorboard` shows it
+    sampler = EpochSampler(len(train_set), config.seed, config.train.effective_batch, config.train.micro_batch,
+                           distributed.rank(), distributed.world_size())
     train_loader = loader(train_set, config, device, sampler=sampler)
-    valid_loader = loader(valid_set, config, device)
-    log.info("training %d images, validating %d (fold %d) at %dx%d on %s, %s; %d micro-batches of %d per step",
-             len(train_set), len(valid_set), config.data.fold, *train_set.image_size, device,
-             dtype or "fp32", config.train.accumulation_steps, config.train.micro_batch)
-    micro_batch = config.train.micro_batch
+    valid_loader = loader(valid_set, config, device, sampler=distributed.shard(len(valid_set)))
+    log.info("training %d images, validating %d (fold %d) at %dx%d on %s, %s; %d process(es) x %d micro-batches "
+             "of %d per step", len(train_set), len(valid_set), config.data.fold, *train_set.image_size, device,
+             dtype or "fp32", distributed.world_size(), accumulation, config.train.micro_batch)
+    trained, micro_batch = distributed.wrap(model, device), config.train.micro_batch
     with stop_requests() as stop_requested:
         for epoch in range(start_epoch, config.train.epochs):
             progress = progress or {"windows": 0, "losses": [], "images": 0, "skipped": 0, "seconds": 0.0,
                                     "skipped_samples": []}
             sampler.set_epoch(epoch, start=progress["windows"] * config.train.effective_batch)
-            micro_batch = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype, config,
-                                      micro_batch, f"epoch {epoch + 1}/{config.train.epochs}", progress, stop_requested)
+            micro_batch, stopped = train_epoch(trained, train_loader, optimizer, scheduler, scaler, device, dtype,
+                                               config, accumulation, micro_batch, epoch, progress, stop_requested)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
                      "step": scheduler.last_epoch, "rng": rng_states(), "config": config.model_dump(mode="json"),
                      "metrics": history, "progress": progress}
-            if stop_requested():
-                save_checkpoint(run_dir / "last.pt", state)
+            if stopped:
+                progress["skipped_samples"] = every_rank_skipped(progress["skipped_samples"])
+                if main_rank:
+                    save_checkpoint(run_dir / "last.pt", state)
                 raise Interrupted(f"stopped after window {progress['windows']} of epoch {epoch + 1}; "
                                   f"continue with: cloudseg train --resume {run_dir}")
             validation = validate(model, valid_loader, device, dtype, config, progress["skipped_samples"])
-            report_skipped(progress["skipped_samples"], epoch + 1, run_dir, f"unreadable samples in epoch {epoch + 1}")
+            progress["skipped_samples"] = every_rank_skipped(progress["skipped_samples"])
             history.append(epoch_row(epoch, scheduler, progress, validation, device))
-            record(history, run_dir, board)
-            state.update(epoch=epoch + 1, metrics=history, progress=None)
-            save_checkpoint(run_dir / "last.pt", state)
-            if history[-1]["dice"] >= max(r["dice"] for r in history):
-                save_checkpoint(run_dir / "best.pt", state)
+            if main_rank:
+                report_skipped(progress["skipped_samples"], epoch + 1, run_dir, f"unreadable samples in epoch {epoch + 1}")
+                record(history, run_dir, board)
+                state.update(epoch=epoch + 1, metrics=history, progress=None)
+                save_checkpoint(run_dir / "last.pt", state)
+                if history[-1]["dice"] >= max(r["dice"] for r in history):
+                    save_checkpoint(run_dir / "best.pt", state)
             progress = None
-    board.close()
-    write_best_oof(model, config, device, run_dir)
+    if main_rank:
+        board.close()
+        write_best_oof(model, config, device, run_dir)
+    distributed.stop()
     return pd.DataFrame(history)
+
+
+def accumulation_steps(train_config, world: int) -> int:
+    """Micro-batches per process per optimizer step, keeping `train.effective_batch`
+    = micro-batch × accumulation × processes."""
+    per_step = train_config.micro_batch * world
+    if train_config.effective_batch % per_step:
+        raise ValueError(f"train.effective_batch ({train_config.effective_batch}) must be a multiple of "
+                         f"train.micro_batch x processes ({train_config.micro_batch} x {world})")
+    return train_config.effective_batch // per_step
+
+
+def every_rank_skipped(problems: list[Problem]) -> list[Problem]:
+    """The samples any process skipped, each once (after a resume every rank holds the saved list)."""
+    return list(dict.fromkeys(Problem(*problem) for problem in distributed.gathered(problems)))
 
 
 def restore(path: Path, **parts) -> tuple[int, list[dict], dict | None]:
@@ -274,8 +323,10 @@ def stop_requests():
     def ask_to_stop(signum, frame):
         if requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if not requested:  # under torchrun the launcher passes the signal on too: say it once
+            log.warning("%s: finishing the current window, then saving a resumable checkpoint",
+                        signal.Signals(signum).name)
         requested.append(signum)
-        log.warning("%s: finishing the current window, then saving a resumable checkpoint", signal.Signals(signum).name)
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield lambda: False
@@ -289,41 +340,54 @@ def stop_requests():
 
 
 def train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype, config: Config,
-                micro_batch: int, desc: str, progress: dict, stop_requested) -> int:
+                accumulation: int, micro_batch: int, epoch: int, progress: dict, stop_requested) -> tuple[int, bool]:
     """Windows of the training folds, one optimizer and scheduler step each, until the epoch
-    ends or a stop is asked for; tallies go into `progress`. Returns the micro-batch in use.
+    ends or a stop is asked for (on any process); tallies go into `progress`. Returns the
+    micro-batch in use and whether a stop was asked for.
 
     A window with a non-finite loss or gradient makes no step, is logged and counted;
     `train.max_skipped_windows` of them in a row stop the run.
     """
     train_mode(model, config.model.norm)
-    started, in_a_row = time.perf_counter(), 0
-    bar = tqdm(windows(train_loader, config.train.accumulation_steps), desc=desc, unit="step", disable=None,
-               total=math.ceil(len(train_loader.sampler) / config.train.effective_batch))
+    desc = f"epoch {epoch + 1}/{config.train.epochs}"
+    count = math.ceil((len(train_loader.dataset) - train_loader.sampler.start) / config.train.effective_batch)
+    blank = {"image": torch.zeros(1, 3, *config.data.image_size, dtype=torch.uint8),
+             "mask": torch.zeros(1, 4, *config.data.image_size, dtype=torch.uint8)}
+    started, in_a_row, stopped = time.perf_counter(), 0, False
+    bar = tqdm(windows(train_loader, accumulation, count), desc=desc, unit="step", total=count,
+               disable=None if distributed.is_main() else True)
     for window in bar:
         window = list(readable(window, progress["skipped_samples"]))
-        if not window:  # every sample unreadable (skip mode): nothing to learn from
-            progress["windows"] += 1
-            continue
-        step, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype, config.train, micro_batch)
+        images = int(distributed.total(sum(len(batch["image"]) for batch in window), device))
         progress["windows"] += 1
-        progress["images"] += sum(len(batch["image"]) for batch in window)
-        if step.skipped:
-            progress["skipped"], in_a_row = progress["skipped"] + 1, in_a_row + 1
-            log.warning("%s, window %d: loss %s, gradient norm %s: not finite, window skipped (%d in a row)",
-                        desc, progress["windows"], step.loss, step.grad_norm, in_a_row)
-            if in_a_row >= config.train.max_skipped_windows:
-                raise RuntimeError(f"{in_a_row} windows in a row had a non-finite loss or gradient ({desc}); "
-                                   "lower train.lr, set train.grad_clip, or use train.precision=bf16 or fp32")
-        else:
-            in_a_row = 0
-            scheduler.step()
-            progress["losses"].append(step.loss)
-            bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-        if stop_requested():
+        if images:  # else every sample was unreadable (skip mode): nothing to learn from
+            step, micro_batch = resilient_step(model, window, optimizer, scaler, device, dtype, config.train,
+                                               micro_batch, images, blank)
+            progress["images"] += images
+            in_a_row = count_skip(step, in_a_row, progress, desc, config.train.max_skipped_windows)
+            if not step.skipped:
+                scheduler.step()
+                progress["losses"].append(step.loss)
+                bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        if distributed.total(stop_requested(), device):
+            stopped = True
             break
     progress["seconds"] += time.perf_counter() - started
-    return micro_batch
+    return micro_batch, stopped
+
+
+def count_skip(step: Step, in_a_row: int, progress: dict, desc: str, limit: int) -> int:
+    """Count a window that made no step (non-finite loss or gradient); returns the run of
+    such windows, and stops the run when it reaches `limit`."""
+    if not step.skipped:
+        return 0
+    progress["skipped"], in_a_row = progress["skipped"] + 1, in_a_row + 1
+    log.warning("%s, window %d: loss %s, gradient norm %s: not finite, window skipped (%d in a row)",
+                desc, progress["windows"], step.loss, step.grad_norm, in_a_row)
+    if in_a_row >= limit:
+        raise RuntimeError(f"{in_a_row} windows in a row had a non-finite loss or gradient ({desc}); "
+                           "lower train.lr, set train.grad_clip, or use train.precision=bf16 or fp32")
+    return in_a_row
 
 
 def epoch_row(epoch: int, scheduler, progress: dict, validation: dict, device) -> dict:

@@ -1,0 +1,82 @@
+"""Training on several processes started by torchrun (one per GPU, or gloo on CPU).
+
+On a single process every function here is a no-op or an identity, so the training loop
+reads the same either way. torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """Rank 0 writes the run directory; the others only compute."""
+    return rank() == 0
+
+
+def start(device: torch.device) -> torch.device:
+    """Join the process group (NCCL on CUDA, gloo on CPU); returns this rank's device."""
+    if world_size() == 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model that training runs forward through: DDP across processes, else the model."""
+    if world_size() == 1:
+        return model
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def gradient_sync(model: torch.nn.Module, now: bool):
+    """DDP all-reduces gradients during a backward unless told not to: only the window's
+    last micro-batch syncs, so a window costs one all-reduce however long it is."""
+    if isinstance(model, DistributedDataParallel) and not now:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def total(value: float, device: torch.device) -> float:
+    """The sum of `value` over all processes."""
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def gathered(items: list) -> list:
+    """Every process's `items`, concatenated in rank order (the same list on every rank)."""
+    if world_size() == 1:
+        return list(items)
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, list(items))
+    return [item for part in parts for item in part]
+
+
+def shard(size: int) -> list[int]:
+    """This process's indices of a `size`-item evaluation set (every world_size-th one)."""
+    return list(range(rank(), size, world_size()))

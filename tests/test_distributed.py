@@ -1,0 +1,88 @@
+"""torchrun DDP: two gloo processes on the CPU train the same model as one process with the
+same effective batch."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from cloudseg.checkpoint import load_checkpoint
+from cloudseg.config import load_config
+from cloudseg.data import EpochSampler
+from cloudseg.model import NORM_STATISTICS
+from cloudseg.train import accumulation_steps, train, windows
+from tests.test_train import TINY
+
+# 24 images in 4 folds: 18 train, so each epoch ends with a 2-image window that one process
+# gets whole and the other joins with a weightless blank image.
+OPTIONS = [*TINY, "data.n_folds=4", "train.device=cpu"]
+
+
+def test_each_rank_gets_whole_micro_batches_of_the_single_process_order():
+    one = list(EpochSampler(11, seed=0))
+    ranks = [list(EpochSampler(11, seed=0, window=4, chunk=2, rank=r, world=2)) for r in range(2)]
+    micro_batches = [one[i : i + 2] for i in range(0, 11, 2)]  # windows of 4: [mb0 mb1] [mb2 mb3] [mb4 mb5]
+    assert ranks[0] == micro_batches[0] + micro_batches[2] + micro_batches[4]
+    assert ranks[1] == micro_batches[1] + micro_batches[3] + micro_batches[5]
+    assert sorted(ranks[0] + ranks[1]) == sorted(one)
+
+
+def test_a_resumed_epoch_shards_from_the_same_position():
+    sampler = EpochSampler(11, seed=0, window=4, chunk=2, rank=1, world=2)
+    sampler.set_epoch(3, start=4)
+    full = EpochSampler(11, seed=0)
+    full.set_epoch(3)
+    assert list(sampler) == [list(full)[i] for i in (6, 7, 10)]
+
+
+def test_every_rank_takes_part_in_every_window():
+    assert list(windows([1, 2, 3], 2, count=3)) == [[1, 2], [3], []]
+    assert list(windows([1, 2, 3], 2)) == [[1, 2], [3]]
+
+
+def test_accumulation_keeps_the_effective_batch_across_processes():
+    config = load_config("configs/demo.yaml", ["train.micro_batch=2", "train.effective_batch=8"])
+    assert [accumulation_steps(config.train, world) for world in (1, 2, 4)] == [4, 2, 1]
+    with pytest.raises(ValueError, match=r"effective_batch \(8\) must be a multiple of train.micro_batch x processes \(2 x 3\)"):
+        accumulation_steps(config.train, 3)
+
+
+def test_two_processes_train_the_same_parameters_as_one(tiny_data, tmp_path):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    options = [f"data.dir={data}", *OPTIONS]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun sets for each process: the same kernels, bit for bit
+    try:
+        train(load_config("configs/demo.yaml", options), tmp_path / "one")
+    finally:
+        torch.set_num_threads(threads)
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "cloudseg", "train", "-c", "configs/demo.yaml", "--out", str(tmp_path / "two"), *options]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es) x 1 micro-batches of 2 per step" in (tmp_path / "two/train.log").read_text()
+
+    one, two = load_checkpoint(tmp_path / "one/last.pt"), load_checkpoint(tmp_path / "two/last.pt")
+    assert one["step"] == two["step"] == 10  # 2 epochs of ceil(18 / 4) windows
+    parameters = [name for name in one["model"] if name.rsplit(".", 1)[-1] not in NORM_STATISTICS]
+    for name in parameters:
+        torch.testing.assert_close(two["model"][name], one["model"][name], rtol=1e-5, atol=1e-6, msg=name)
+    a, b = pd.read_csv(tmp_path / "one/metrics.csv"), pd.read_csv(tmp_path / "two/metrics.csv")
+    assert b["train_loss"].tolist() == pytest.approx(a["train_loss"].tolist(), rel=1e-6)
+    assert {"best.pt", "oof.npz", "config.yaml"} <= {p.name for p in (tmp_path / "two").iterdir()}
+
+
+def test_the_test_can_fail_a_different_effective_batch_trains_other_parameters(tiny_data, tmp_path):
+    """The comparison above is sharp: one process with half the effective batch differs."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    options = [f"data.dir={data}", *OPTIONS, "train.epochs=1"]
+    train(load_config("configs/demo.yaml", options), tmp_path / "four")
+    train(load_config("configs/demo.yaml", [*options, "train.effective_batch=2"]), tmp_path / "two")
+    four, two = load_checkpoint(tmp_path / "four/last.pt")["model"], load_checkpoint(tmp_path / "two/last.pt")["model"]
+    name = "unet.segmentation_head.0.weight"
+    assert (four[name] - two[name]).abs().max() > 1e-3
