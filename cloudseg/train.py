@@ -269,11 +269,7 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
             history.append(epoch_row(epoch, scheduler, progress, validation, device))
             if main_rank:
                 report_skipped(progress["skipped_samples"], epoch + 1, run_dir, f"unreadable samples in epoch {epoch + 1}")
-                record(history, run_dir, board)
-                state.update(epoch=epoch + 1, metrics=history, progress=None)
-                save_checkpoint(run_dir / "last.pt", state)
-                if history[-1]["dice"] >= max(r["dice"] for r in history):
-                    save_checkpoint(run_dir / "best.pt", state)
+                save_epoch(run_dir, {**state, "epoch": epoch + 1, "metrics": history, "progress": None}, board)
             progress = None
     if main_rank:
         board.close()
@@ -398,6 +394,15 @@ def epoch_row(epoch: int, scheduler, progress: dict, validation: dict, device) -
             "images_per_s": progress["images"] / max(progress["seconds"], 1e-9),
             "peak_memory_mb": peak_memory_mb(device), "skipped_windows": progress["skipped"],
             "skipped_samples": len(progress["skipped_samples"])}
+
+
+def save_epoch(run_dir: Path, state: dict, board: SummaryWriter) -> None:
+    """A finished epoch: its metrics, last.pt, and best.pt when its Dice is the best so far."""
+    history = state["metrics"]
+    record(history, run_dir, board)
+    save_checkpoint(run_dir / "last.pt", state)
+    if history[-1]["dice"] >= max(row["dice"] for row in history):
+        save_checkpoint(run_dir / "best.pt", state)
 
 
 def record(history: list[dict], run_dir: Path, board: SummaryWriter) -> None:
