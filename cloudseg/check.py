@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from cloudseg.data import CloudDataset, Problem, collate, jpeg_frame, readable
+from cloudseg.data import CloudDataset, Problem, jpeg_frame
 from cloudseg.task import IMAGE_SHAPE
 
 HEADER_BYTES = 1 << 16  # a JPEG's frame header sits in its first segments
@@ -37,15 +37,24 @@ def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = Non
     summary = [f"{data_dir}: expected image size {image_size[0]}x{image_size[1]}"]
     for split, dataset in splits.items():
         dataset.image_size = image_size
-        bad_images = []
-        loader = DataLoader(dataset, batch_size=1, num_workers=os.cpu_count() if workers is None else workers,
-                            collate_fn=collate)
-        for _ in readable(tqdm(loader, desc=f"checking {split}", unit="image", disable=None), bad_images):
-            pass
+        bad_images = unreadable(dataset, workers or os.cpu_count(), f"checking {split}")
         summary.append(f"{split}: {len(dataset)} images with valid rows; {len(dataset.skipped)} bad rows, "
                        f"{len(bad_images)} bad images")
         problems += dataset.skipped + bad_images
     return problems, summary
+
+
+def unreadable(dataset: CloudDataset, workers: int, desc: str) -> list[Problem]:
+    """The Problems of the dataset's items (skip mode), read on `workers` threads: OpenCV's
+    JPEG decode, most of the work, runs outside Python's lock."""
+
+    def problem(index: int) -> Problem | None:
+        item = dataset[index]
+        return Problem(item["image_id"], item["problem"]) if "problem" in item else None
+
+    with ThreadPoolExecutor(workers) as pool:
+        found = tqdm(pool.map(problem, range(len(dataset))), desc=desc, total=len(dataset), unit="image", disable=None)
+        return [p for p in found if p is not None]
 
 
 def most_common_size(datasets) -> tuple[int, int] | None:
