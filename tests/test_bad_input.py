@@ -209,3 +209,17 @@ def test_skip_mode_trains_around_every_case_and_lists_them(every_case, tmp_path,
     assert metrics["skipped_samples"].tolist() == [(~row_cases).sum()]
     log = (run / "train.log").read_text()
     assert re.search(rf"unreadable samples in epoch 1: {(~row_cases).sum()} left out", log)
+
+
+def test_predict_stops_on_a_bad_test_image_naming_it_and_writes_nothing(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *FAST,
+                 "data.on_bad_sample=skip"]) == 0  # prediction needs every test image, even so
+    image = sorted((data / "test_images").iterdir())[-1]
+    image.write_bytes(image.read_bytes()[:-300])
+    submission = tmp_path / "submission.csv"
+    capsys.readouterr()
+    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(submission), "data.num_workers=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"cloudseg: error: {image}: truncated JPEG (no end-of-image marker)"
+    assert not submission.exists() and list(tmp_path.glob(".submission.csv*")) == []
