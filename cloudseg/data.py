@@ -402,6 +402,9 @@ def make_folds(labels: pd.DataFrame, n_folds: int = 5, seed: int = 42) -> pd.Ser
     if len(labels) < n_folds:
         raise ValueError(f"cannot split {len(labels)} images into {n_folds} folds")
     label_set = (labels[list(LABELS)] != "").to_numpy() @ (1 << np.arange(len(LABELS)))
+    if np.bincount(label_set).max() < n_folds:  # StratifiedKFold needs one label set as large as that
+        raise ValueError(f"cannot stratify {len(labels)} images into {n_folds} folds: no set of labels is shared "
+                         f"by {n_folds} images (the most common by {np.bincount(label_set).max()}); use fewer folds")
     splitter = StratifiedKFold(n_splits=n_folds, shuffle=True, random_state=seed)
     fold = np.empty(len(labels), dtype=int)
     with warnings.catch_warnings():  # label sets rarer than n_folds are spread as well as they can be

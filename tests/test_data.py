@@ -228,6 +228,15 @@ def test_every_image_in_exactly_one_fold_with_balanced_labels():
     assert (counts.max() - counts.min()).max() <= 3, counts  # a random split spreads by ~20
 
 
+def test_too_many_folds_for_the_label_sets_is_a_clear_error():
+    labels = random_label_table(24, seed=3)
+    most_common = (labels != "").to_numpy().dot([1, 2, 4, 8])
+    largest = int(np.bincount(most_common).max())
+    make_folds(labels, n_folds=largest)  # as many folds as the most common label set: fine
+    with pytest.raises(ValueError, match=f"no set of labels is shared by {largest + 1} images"):
+        make_folds(labels, n_folds=largest + 1)
+
+
 def test_folds_are_deterministic_for_a_seed():
     labels = random_label_table(200)
     assert make_folds(labels, 5, seed=7).equals(make_folds(labels, 5, seed=7))
