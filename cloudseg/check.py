@@ -49,8 +49,7 @@ def unreadable(dataset: CloudDataset, workers: int, desc: str) -> list[Problem]:
     JPEG decode, most of the work, runs outside Python's lock."""
 
     def problem(index: int) -> Problem | None:
-        item = dataset[index]
-        return Problem(item["image_id"], item["problem"]) if "problem" in item else None
+        return dataset[index].get("problem")
 
     with ThreadPoolExecutor(workers) as pool:
         found = tqdm(pool.map(problem, range(len(dataset))), desc=desc, total=len(dataset), unit="image", disable=None)

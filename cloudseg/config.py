@@ -91,10 +91,19 @@ class TrainConfig(Section):
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step (once micro_batch is a number)."""
+        """Micro-batches per optimizer step on one process (once micro_batch is a number)."""
+        return self.accumulation_for(1)
+
+    def accumulation_for(self, world: int) -> int:
+        """Micro-batches per process per optimizer step on `world` processes, keeping
+        effective_batch = micro_batch × accumulation × processes."""
         if self.micro_batch == "auto":
             raise ValueError("train.micro_batch=auto is resolved when training starts")
-        return self.effective_batch // self.micro_batch
+        per_step = self.micro_batch * world
+        if self.effective_batch % per_step:
+            raise ValueError(f"train.effective_batch ({self.effective_batch}) must be a multiple of "
+                             f"train.micro_batch x processes ({self.micro_batch} x {world})")
+        return self.effective_batch // per_step
 
 
 class PredictConfig(Section):

@@ -162,7 +162,7 @@ class JpegFrame(NamedTuple):
 def jpeg_frame(data: bytes | np.ndarray) -> JpegFrame | None:
     """Size and colour components from a JPEG's frame header, without decoding the image;
     None when there is no readable frame header (OpenCV then reports the file as corrupt)."""
-    data = data.tobytes() if isinstance(data, np.ndarray) else data
+    data = memoryview(data)  # indexes as ints, slices without copying the file
     position = 2  # after the start-of-image marker
     while position + 4 <= len(data) and data[position] == 0xFF:
         marker = data[position + 1]
@@ -213,7 +213,7 @@ class CloudDataset(Dataset):
 
     `on_bad_sample="raise"`: a bad CSV row or image raises an error naming the file or row.
     `"skip"`: bad CSV rows leave their images out (listed in `skipped`), and a bad image
-    gives the item `{"image_id", "problem"}`, which `collate` moves aside.
+    gives the item `{"image_id", "problem": Problem}`, which `collate` moves aside.
     """
 
     def __init__(self, data_dir, split="train", image_ids=None, transform=None, image_size=None,
@@ -242,7 +242,7 @@ class CloudDataset(Dataset):
         """(H, W) of the first image (in skip mode: the first readable one)."""
         for image_id in self.image_ids:
             try:
-                return read_image(self.image_dir / image_id).shape[:2]
+                return image_shape(self.image_dir / image_id)
             except (ValueError, FileNotFoundError):
                 if self.on_bad_sample == "raise":
                     raise
@@ -262,7 +262,7 @@ class CloudDataset(Dataset):
         except (ValueError, FileNotFoundError) as error:
             if self.on_bad_sample == "raise":
                 raise
-            return {"image_id": image_id, "problem": str(error)}
+            return {"image_id": image_id, "problem": Problem(image_id, str(error))}
         item = {"image_id": image_id}
         if masks is None:
             if self.transform is not None:
@@ -298,9 +298,9 @@ def collate(items: list[dict]) -> dict:
 
     A batch whose every item was unreadable has no "image" key.
     """
-    readable = [item for item in items if "problem" not in item]
-    batch = default_collate(readable) if readable else {}
-    batch["skipped"] = [Problem(item["image_id"], item["problem"]) for item in items if "problem" in item]
+    good = [item for item in items if "problem" not in item]
+    batch = default_collate(good) if good else {}
+    batch["skipped"] = [item["problem"] for item in items if "problem" in item]
     return batch
 
 

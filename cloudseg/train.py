@@ -224,7 +224,7 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     if config.model.norm == "frozen" and config.model.encoder_weights is None:
         log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
     config.train.micro_batch = resolve_micro_batch(config, model, train_set.image_size, device, distributed.world_size())
-    accumulation = accumulation_steps(config.train, distributed.world_size())
+    accumulation = config.train.accumulation_for(distributed.world_size())
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
     scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
@@ -278,19 +278,9 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
     return pd.DataFrame(history)
 
 
-def accumulation_steps(train_config, world: int) -> int:
-    """Micro-batches per process per optimizer step, keeping `train.effective_batch`
-    = micro-batch × accumulation × processes."""
-    per_step = train_config.micro_batch * world
-    if train_config.effective_batch % per_step:
-        raise ValueError(f"train.effective_batch ({train_config.effective_batch}) must be a multiple of "
-                         f"train.micro_batch x processes ({train_config.micro_batch} x {world})")
-    return train_config.effective_batch // per_step
-
-
 def every_rank_skipped(problems: list[Problem]) -> list[Problem]:
     """The samples any process skipped, each once (after a resume every rank holds the saved list)."""
-    return list(dict.fromkeys(Problem(*problem) for problem in distributed.gathered(problems)))
+    return list(dict.fromkeys(distributed.gathered(problems)))
 
 
 def restore(path: Path, **parts) -> tuple[int, list[dict], dict | None]:
@@ -347,8 +337,9 @@ def train_epoch(model, train_loader, optimizer, scheduler, scaler, device, dtype
     train_mode(model, config.model.norm)
     desc = f"epoch {epoch + 1}/{config.train.epochs}"
     count = math.ceil((len(train_loader.dataset) - train_loader.sampler.start) / config.train.effective_batch)
-    blank = {"image": torch.zeros(1, 3, *config.data.image_size, dtype=torch.uint8),
-             "mask": torch.zeros(1, 4, *config.data.image_size, dtype=torch.uint8)}
+    blank = None if distributed.world_size() == 1 else {  # see train_step
+        "image": torch.zeros(1, 3, *config.data.image_size, dtype=torch.uint8),
+        "mask": torch.zeros(1, 4, *config.data.image_size, dtype=torch.uint8)}
     started, in_a_row, stopped = time.perf_counter(), 0, False
     bar = tqdm(windows(train_loader, accumulation, count), desc=desc, unit="step", total=count,
                disable=None if distributed.is_main() else True)
@@ -461,7 +452,8 @@ def report_skipped(problems: list[Problem], epoch: int | None, run_dir: Path, wh
     log.warning("%s: %d left out (%s):\n  %s", what, len(problems), run_dir / SKIPPED_CSV,
                 "\n  ".join(problem.message for problem in problems))
     path = run_dir / SKIPPED_CSV
-    rows = pd.DataFrame([("" if epoch is None else epoch, p.image_id, p.message) for p in problems], columns=["epoch", "image_id", "problem"])
+    rows = pd.DataFrame([("" if epoch is None else epoch, p.image_id, p.message) for p in problems],
+                        columns=["epoch", "image_id", "problem"])
     if path.is_file():
         rows = pd.concat([pd.read_csv(path, dtype=str, keep_default_na=False), rows.astype(str)])
     with atomic_path(path) as tmp:

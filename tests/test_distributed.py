@@ -14,7 +14,7 @@ from cloudseg.checkpoint import load_checkpoint
 from cloudseg.config import load_config
 from cloudseg.data import EpochSampler
 from cloudseg.model import NORM_STATISTICS
-from cloudseg.train import accumulation_steps, train, windows
+from cloudseg.train import train, windows
 from tests.test_train import TINY
 
 # 24 images in 4 folds: 18 train, so each epoch ends with a 2-image window that one process
@@ -46,9 +46,9 @@ def test_every_rank_takes_part_in_every_window():
 
 def test_accumulation_keeps_the_effective_batch_across_processes():
     config = load_config("configs/demo.yaml", ["train.micro_batch=2", "train.effective_batch=8"])
-    assert [accumulation_steps(config.train, world) for world in (1, 2, 4)] == [4, 2, 1]
+    assert [config.train.accumulation_for(world) for world in (1, 2, 4)] == [4, 2, 1]
     with pytest.raises(ValueError, match=r"effective_batch \(8\) must be a multiple of train.micro_batch x processes \(2 x 3\)"):
-        accumulation_steps(config.train, 3)
+        config.train.accumulation_for(3)
 
 
 def test_two_processes_train_the_same_parameters_as_one(tiny_data, tmp_path):
