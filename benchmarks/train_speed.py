@@ -29,7 +29,8 @@ import torch
 
 from cloudseg.config import load_config
 from cloudseg.data import CloudDataset, build_transform
-from cloudseg.model import autocast_dtype, build_model, prepare_for_training
+from cloudseg.hardware import autocast_dtype
+from cloudseg.model import build_model, prepare_for_training
 from cloudseg.predict import predict_probs
 from cloudseg.synth import synthesize
 from cloudseg.train import per_image_loss, train_step

@@ -230,7 +230,7 @@ def run_config(args) -> None:
 def run_memory(args) -> None:
     from cloudseg.config import load_config
     from cloudseg.memory import report
-    from cloudseg.model import resolve_device
+    from cloudseg.hardware import resolve_device
 
     config = load_config(args.config, args.overrides)
     micro_batch = args.micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 4)

@@ -15,7 +15,8 @@ import torch
 
 from cloudseg.config import Config
 from cloudseg.data import padded_shape
-from cloudseg.model import (CloudNet, autocast, autocast_dtype, build_model, checkpoint_blocks, norm_statistics,
+from cloudseg.hardware import autocast, autocast_dtype
+from cloudseg.model import (CloudNet, build_model, checkpoint_blocks, norm_statistics,
                             prepare_for_training, restore_norm_statistics)
 from cloudseg.task import IMAGE_SHAPE, LABELS
 

@@ -18,7 +18,7 @@ from cloudseg.config import Config
 from cloudseg.data import CloudDataset, collate, fold_ids, readable
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_masks, resize_probs
-from cloudseg.model import autocast_dtype
+from cloudseg.hardware import autocast_dtype
 from cloudseg.postprocess import quantize
 from cloudseg.predict import load_model, predict_probs
 from cloudseg.task import SUBMISSION_SHAPE
@@ -69,7 +69,7 @@ def read_oof(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def oof_from_checkpoint(checkpoint: str | Path, out: str | Path | None = None) -> Path:
     """`cloudseg oof`: the held-out fold of a checkpoint's run, written beside it by default."""
-    from cloudseg.model import resolve_device
+    from cloudseg.hardware import resolve_device
 
     device = resolve_device("auto")
     model, config = load_model(checkpoint, device)

@@ -17,7 +17,8 @@ from cloudseg.config import Config, apply_overrides, from_dict
 from cloudseg.data import CloudDataset, test_image_ids
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
-from cloudseg.model import CloudNet, autocast, autocast_dtype, build_model, resolve_device
+from cloudseg.hardware import autocast, autocast_dtype, resolve_device
+from cloudseg.model import CloudNet, build_model
 from cloudseg.postprocess import RULE_KEYS, postprocess, read_rule_file
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
 

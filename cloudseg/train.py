@@ -37,8 +37,9 @@ from cloudseg.files import atomic_path
 from cloudseg.metrics import dice, resize_masks, resize_probs, summarize
 from cloudseg.memory import resolve_micro_batch
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
-from cloudseg.model import (autocast, autocast_dtype, build_model, norm_statistics, norm_statistics_kept,
-                            prepare_for_training, resolve_device, restore_norm_statistics, train_mode)
+from cloudseg.hardware import autocast, autocast_dtype, resolve_device
+from cloudseg.model import (build_model, norm_statistics, norm_statistics_kept, prepare_for_training,
+                            restore_norm_statistics, train_mode)
 from cloudseg.postprocess import postprocess
 from cloudseg.predict import predict_probs
 from cloudseg.task import LABELS
