@@ -33,7 +33,8 @@ from cloudseg.hardware import autocast_dtype
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.predict import predict_probs
 from cloudseg.synth import synthesize
-from cloudseg.train import per_image_loss, train_step
+from cloudseg.engine import StepContext, train_step
+from cloudseg.loss import per_image_loss
 
 KAGGLE_TEST_IMAGES = 3698
 
@@ -146,7 +147,7 @@ def cloudseg(config, batches, args, device, checkpointing):
         if i == args.warmup:
             synchronize(device)
             start = time.perf_counter()
-        train_step(model, window, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight)
+        train_step(StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight), window)
     synchronize(device)
     return args.steps * args.effective_batch, time.perf_counter() - start
 

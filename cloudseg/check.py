@@ -1,5 +1,8 @@
 """`cloudseg check`: read every sample the way training and prediction read it, and report
-every problem at once, before a long run finds the first one."""
+every problem at once, before a long run finds the first one.
+
+Data path: the first two steps, **train.csv → Dataset**, run over everything in advance.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The `cloudseg` command line."""
+"""The `cloudseg` command line: one subcommand per stretch of the data path (check, train,
+oof, tune, predict, evaluate) and the tools around it (synth, folds, memory, show, config)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Typed run configuration: YAML files in configs/, dotted `key=value` overrides.
+"""Typed run configuration: YAML files in configs/, dotted `key=value` overrides. It steers
+every step of the data path and travels with the run (config.yaml) and every checkpoint.
 
 Every field documents itself (`cloudseg config -c FILE` prints them). Unknown keys and
 wrong types are errors that name the key. The resolved config is saved in every run

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from sklearn.model_selection import StratifiedKFold
-from torch.utils.data import Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from cloudseg import rle
 from cloudseg.files import atomic_path
@@ -302,6 +302,17 @@ def collate(items: list[dict]) -> dict:
     batch = default_collate(good) if good else {}
     batch["skipped"] = [item["problem"] for item in items if "problem" in item]
     return batch
+
+
+def make_loader(dataset: Dataset, data_config, batch_size: int, device: torch.device, sampler=None,
+                every_epoch: bool = False) -> DataLoader:
+    """The DataLoader of every pass (training, validation, out-of-fold, test), from `data.*`:
+    worker processes (kept alive between passes when the loader runs `every_epoch`),
+    prefetching, pinned memory for a GPU, and `collate`'s skip handling."""
+    workers = data_config.num_workers
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0 and every_epoch,
+                      prefetch_factor=data_config.prefetch_factor if workers else None)
 
 
 class EpochSampler(Sampler):

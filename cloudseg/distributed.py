@@ -1,4 +1,5 @@
-"""Training on several processes started by torchrun (one per GPU, or gloo on CPU).
+"""Training on several processes started by torchrun (one per GPU, or gloo on CPU): the
+all-reduces and shards under the accumulated step and validation of the data path.
 
 On a single process every function here is a no-op or an identity, so the training loop
 reads the same either way. torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.

@@ -1,5 +1,8 @@
 """How much GPU memory a training step takes, and the largest micro-batch that fits.
 
+Data path: the planner beside the accumulated step: it probes the engine's own forward and
+backward (engine.accumulate) to choose `train.micro_batch: auto` before the run starts.
+
 On CUDA, peaks are measured on real training steps. On CPU they are estimated: weights,
 gradients and AdamW state from the parameter count, plus the activations saved for backward,
 counted by autograd hooks during one forward pass (at half size per side for large images,
@@ -15,7 +18,8 @@ import torch
 
 from cloudseg.config import Config
 from cloudseg.data import padded_shape
-from cloudseg.hardware import autocast, autocast_dtype
+from cloudseg.engine import StepContext, accumulate
+from cloudseg.hardware import autocast_dtype
 from cloudseg.model import (CloudNet, build_model, checkpoint_blocks, norm_statistics,
                             prepare_for_training, restore_norm_statistics)
 from cloudseg.task import IMAGE_SHAPE, LABELS
@@ -78,24 +82,21 @@ def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size,
 
     Leaves the model as it found it (gradients cleared, norm statistics restored).
     """
-    from cloudseg.train import per_image_loss
-
     dtype = autocast_dtype(config.train.precision, device)
+    step = StepContext(model, None, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), device, dtype)
     saved_statistics = norm_statistics(model)
-    images = torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device)
-    masks = torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)
+    batch = {"image": torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device),
+             "mask": torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)}
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        with autocast(device, dtype):
-            logits = model(images)
-        per_image_loss(logits.float(), masks).mean().backward()
+        accumulate(step, [batch], micro_batch)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     finally:
         model.zero_grad(set_to_none=True)
         restore_norm_statistics(model, saved_statistics)
-        del images, masks
+        del batch
         torch.cuda.empty_cache()
     return peak + 2 * parameter_bytes(model)  # AdamW's exp_avg and exp_avg_sq, allocated at the first step
 

@@ -1,5 +1,8 @@
 """The Kaggle metric: mean Dice over every (image, label) pair, compared at 350×525.
 
+Data path: the score of the last steps (probabilities at 350×525 → post-process →
+submission), in validation, tuning and `cloudseg evaluate`.
+
 Resize rule (how anything reaches 350×525 before it is compared or encoded):
   - binary masks: nearest neighbour, sampling each output pixel's centre
     (`nearest-exact`). Resizing a mask bilinearly and thresholding at > 0 dilates it.

@@ -1,4 +1,9 @@
-"""The network: a segmentation-models-pytorch UNet behind a uint8-in, logits-out wrapper."""
+"""The network: a segmentation-models-pytorch UNet behind a uint8-in, logits-out wrapper.
+
+Data path: train.csv → Dataset → loader → **model** → loss → accumulated step → checkpoint →
+probabilities at 350×525 → post-process → submission, with the memory switches
+(channels_last and activation checkpointing).
+"""
 
 from __future__ import annotations
 

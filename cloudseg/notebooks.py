@@ -1,4 +1,5 @@
-"""`python -m cloudseg.notebooks NB.ipynb ...`: execute notebooks headless.
+"""`python -m cloudseg.notebooks NB.ipynb ...`: execute notebooks headless (the notebooks
+look at every step of the data path through `cloudseg.viz`).
 
 The executed copies go to runs/notebooks/, so the notebooks in git stay without outputs.
 """

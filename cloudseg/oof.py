@@ -1,6 +1,9 @@
 """Out-of-fold probabilities: each held-out image's probabilities at 350×525, stored once, so
 tuning and ensembling never need the model again.
 
+Data path: checkpoint → **probabilities at 350×525 of the held-out fold** (oof.npz) → the
+post-processing search (tune.py).
+
 An OOF file (`oof.npz`) holds `image_ids`, `probs` (N×4×350×525 uint8, probability × 255)
 and `truth` (the true masks at 350×525, bit-packed along the last axis).
 """
@@ -11,16 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from cloudseg.config import Config
-from cloudseg.data import CloudDataset, collate, fold_ids, readable
+from cloudseg.data import CloudDataset, fold_ids, make_loader, readable
 from cloudseg.files import atomic_path
-from cloudseg.metrics import resize_masks, resize_probs
-from cloudseg.hardware import autocast_dtype
+from cloudseg.hardware import autocast_dtype, resolve_device
+from cloudseg.metrics import resize_masks
 from cloudseg.postprocess import quantize
-from cloudseg.predict import load_model, predict_probs
+from cloudseg.predict import batch_probabilities, load_model
 from cloudseg.task import SUBMISSION_SHAPE
 
 OOF_FILE = "oof.npz"
@@ -31,16 +33,14 @@ def predict_oof(model, config: Config, device) -> tuple[list[str], np.ndarray, n
     """(ids, uint8 probabilities, true masks) of the held-out fold of `config`, at 350×525."""
     _, valid_ids = fold_ids(config.data, config.seed)
     dataset = CloudDataset(config.data.dir, "train", valid_ids, None, config.data.image_size, config.data.on_bad_sample)
-    loader = DataLoader(dataset, batch_size=config.predict.batch_size, num_workers=config.data.num_workers,
-                        collate_fn=collate)
+    loader = make_loader(dataset, config.data, config.predict.batch_size, device)
     dtype = autocast_dtype(config.train.precision, device)
     model.eval()
     ids, probs, truth = [], [], []
     for batch in tqdm(readable(loader, []), desc="out-of-fold", unit="batch", disable=None):  # validation reported skips
         ids.extend(batch["image_id"])
-        images = batch["image"].to(device)
-        probs8 = quantize(resize_probs(predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black)).cpu().numpy())
-        probs.append(probs8)
+        small = batch_probabilities([model], batch["image"].to(device), dtype, config.predict).submission
+        probs.append(quantize(small.cpu().numpy()))
         truth.append(resize_masks(batch["mask"]).numpy().astype(bool))
     return ids, np.concatenate(probs), np.concatenate(truth)
 
@@ -69,8 +69,6 @@ def read_oof(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def oof_from_checkpoint(checkpoint: str | Path, out: str | Path | None = None) -> Path:
     """`cloudseg oof`: the held-out fold of a checkpoint's run, written beside it by default."""
-    from cloudseg.hardware import resolve_device
-
     device = resolve_device("auto")
     model, config = load_model(checkpoint, device)
     out = Path(out) if out else Path(checkpoint).parent / OOF_FILE

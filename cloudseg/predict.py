@@ -1,20 +1,25 @@
-"""Inference: probabilities from one or several checkpoints, and the Kaggle submission."""
+"""Inference: probabilities at 350×525 from one or several models, and the Kaggle submission.
+
+Data path: train.csv → Dataset → loader → model → loss → accumulated step → checkpoint →
+**probabilities at 350×525** → post-process → **submission**. Validation, out-of-fold and test
+prediction all take their probabilities from `batch_probabilities`.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from cloudseg import rle
 from cloudseg.checkpoint import load_checkpoint
-from cloudseg.config import Config, apply_overrides, from_dict
-from cloudseg.data import CloudDataset, test_image_ids
+from cloudseg.config import Config, PredictConfig, apply_overrides, from_dict
+from cloudseg.data import CloudDataset, make_loader, test_image_ids
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device
@@ -54,6 +59,22 @@ def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | No
     return probs
 
 
+class Probabilities(NamedTuple):
+    native: torch.Tensor  # N×4×H×W at the images' own size (the validation loss is computed here)
+    submission: torch.Tensor  # N×4×350×525: what is post-processed, scored and encoded
+
+
+@torch.no_grad()
+def batch_probabilities(models: list[CloudNet], images: torch.Tensor, dtype: torch.dtype | None,
+                        predict: PredictConfig) -> Probabilities:
+    """The models' mean probabilities for a batch (each with `predict.tta` and, when
+    `predict.zero_black`, zero on no-data pixels), and the same resized to submission size.
+    Averaging is linear, so averaging before the resize equals averaging after it."""
+    native = sum(predict_probs(model, images, dtype, predict.tta, predict.zero_black) for model in models)
+    native = native / len(models)
+    return Probabilities(native, resize_probs(native))
+
+
 def no_data(images: torch.Tensor) -> torch.Tensor:
     """N×1×H×W: True where every channel of the uint8 image is at most BLACK_LEVEL."""
     return (images <= BLACK_LEVEL).all(dim=1, keepdim=True)
@@ -83,15 +104,11 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     data_dir = data_dir or config.data.dir
     dtype = autocast_dtype(config.train.precision, device)
     dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size)
-    loader = DataLoader(dataset, batch_size=config.predict.batch_size, num_workers=config.data.num_workers,
-                        pin_memory=device.type == "cuda")
     rows = []
-    for batch in tqdm(loader, desc="predict", unit="batch", disable=None):
+    for batch in tqdm(make_loader(dataset, config.data, config.predict.batch_size, device), desc="predict",
+                      unit="batch", disable=None):
         images = batch["image"].to(device, non_blocking=True)
-        # Average at submission size: memory stays flat however many checkpoints there are.
-        probs = sum(resize_probs(predict_probs(model, images, dtype, config.predict.tta, config.predict.zero_black))
-                    for model in models)
-        probs = probs / len(models)
+        probs = batch_probabilities(models, images, dtype, config.predict).submission
         masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate)
         for image_id, image_masks in zip(batch["image_id"], masks):
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]

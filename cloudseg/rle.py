@@ -1,4 +1,5 @@
-"""Kaggle run-length encoding of binary masks.
+"""Kaggle run-length encoding of binary masks: decoded where train.csv enters the Dataset,
+encoded where the submission is written (the two ends of the data path).
 
 Pixels are numbered from 1, top to bottom, then left to right (column-major), and a mask
 is written as sorted, non-overlapping `start length` pairs: `1 3 10 5` is pixels 1-3 and

@@ -1,4 +1,5 @@
-"""A synthetic dataset in the exact Kaggle layout, learnable in minutes on a CPU.
+"""A synthetic dataset in the exact Kaggle layout, learnable in minutes on a CPU: what
+enters the data path (train.csv, images) when the Kaggle data is not there.
 
 Each class paints its own texture inside large axis-aligned boxes (like the crowd-drawn
 labels), classes may overlap, every image has at least one label, and some images carry a

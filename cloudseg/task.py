@@ -1,4 +1,6 @@
-"""Facts of the Kaggle task "Understanding Clouds from Satellite Images", defined once."""
+"""Facts of the Kaggle task "Understanding Clouds from Satellite Images", defined once: the
+labels, shapes and column names that every step of the data path shares.
+"""
 
 LABELS = ("Fish", "Flower", "Gravel", "Sugar")
 """The four cloud patterns, in the order of train.csv and of every 4-channel mask."""

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from cloudseg.train import lr_schedule, per_image_loss, train_step, windows
+from cloudseg.engine import StepContext, train_step, windows
+from cloudseg.loss import per_image_loss
+from cloudseg.train import lr_schedule
 from cloudseg.config import TrainConfig
 
 CPU = torch.device("cpu")
@@ -49,7 +51,7 @@ def one_step(micro_batch, n_images, accumulation, grad_clip=None):
     loader = DataLoader(Images(n_images), batch_size=micro_batch, shuffle=False)
     (window,) = list(windows(loader, accumulation))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, window, optimizer, scaler, CPU, None, grad_clip, dice_weight=1.0)
+    train_step(StepContext(model, optimizer, scaler, CPU, None, grad_clip, dice_weight=1.0), window)
     return model
 
 
@@ -88,7 +90,7 @@ def test_short_last_window_is_its_own_step_and_the_next_epoch_starts_fresh():
     model, optimizer = model_and_sgd()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     last_window = list(windows(loader, 2))[-1]
-    train_step(model, last_window, optimizer, scaler, CPU, None, None, 1.0)
+    train_step(StepContext(model, optimizer, scaler, CPU, None, None, 1.0), last_window)
     reference, ref_optimizer = model_and_sgd()
     batch = Images(5)[4]
     loss = per_image_loss(reference(batch["image"][None]), batch["mask"][None]).mean()
@@ -115,7 +117,7 @@ def test_fp16_clipping_sees_unscaled_gradients():
         before = copy.deepcopy(model)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=dtype is not None)
         (window,) = list(windows(loader, 3))
-        norm = train_step(model, window, optimizer, scaler, CPU, dtype, grad_clip=0.01, dice_weight=1.0).grad_norm
+        norm = train_step(StepContext(model, optimizer, scaler, CPU, dtype, grad_clip=0.01, dice_weight=1.0), window).grad_norm
         step = torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), before.parameters())])
         results[name] = (norm, step)
     (norm32, step32), (norm16, step16) = results["fp32"], results["fp16"]

@@ -14,7 +14,8 @@ from cloudseg.checkpoint import load_checkpoint
 from cloudseg.config import load_config
 from cloudseg.data import EpochSampler
 from cloudseg.model import NORM_STATISTICS
-from cloudseg.train import train, windows
+from cloudseg.engine import windows
+from cloudseg.train import train
 from tests.test_train import TINY
 
 # 24 images in 4 folds: 18 train, so each epoch ends with a 2-image window that one process

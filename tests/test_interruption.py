@@ -64,3 +64,23 @@ def test_the_cli_says_how_to_resume(tiny_data, tmp_path, monkeypatch, capsys):
     assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *TINY]) == 130
     assert f"continue with: cloudseg train --resume {run}" in capsys.readouterr().err
     assert (run / "last.pt").is_file() and not (run / "best.pt").exists()
+
+
+def test_progress_round_trips_through_plain_types_and_reads_the_earlier_unversioned_dict():
+    """Would catch: a to_dict that leaves Problem tuples in (not loadable with weights_only=True),
+    a from_dict that drops a tally, and a resume that no longer reads checkpoints written before
+    Progress had a version (their key for skipped windows was "skipped")."""
+    from cloudseg.data import Problem
+    from cloudseg.train import Progress
+
+    progress = Progress(windows=3, losses=[0.5, 0.25], images=12, skipped_windows=1, seconds=2.5,
+                        skipped_samples=[Problem("a.jpg", "a.jpg: truncated JPEG")])
+    raw = progress.to_dict()
+    assert raw["version"] == Progress.VERSION
+    assert raw["skipped_samples"] == [["a.jpg", "a.jpg: truncated JPEG"]]  # plain lists, no NamedTuple
+    assert Progress.from_dict(raw) == progress
+    earlier = {"windows": 3, "losses": [0.5, 0.25], "images": 12, "skipped": 1, "seconds": 2.5,
+               "skipped_samples": [Problem("a.jpg", "a.jpg: truncated JPEG")]}
+    assert Progress.from_dict(earlier) == progress
+    with pytest.raises(ValueError, match="version 99"):
+        Progress.from_dict({**raw, "version": 99})

@@ -5,7 +5,7 @@ import torch
 
 from cloudseg.config import ModelConfig
 from cloudseg.model import IMAGENET_MEAN, IMAGENET_STD, build_model, enable_checkpointing, prepare_for_training
-from cloudseg.train import per_image_loss
+from cloudseg.loss import per_image_loss
 
 
 def float64_model(encoder, mode, seed=0):

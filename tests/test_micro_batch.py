@@ -11,7 +11,8 @@ from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.memory import StepMemory, estimate, largest_fitting, resolve_micro_batch
-from cloudseg.train import resilient_step, train, windows
+from cloudseg.engine import StepContext, resilient_step, windows
+from cloudseg.train import train
 from tests.test_accumulation import CPU, Images, assert_same_parameters, model_and_sgd
 from tests.test_train import TINY
 
@@ -37,7 +38,7 @@ def run_windows(model, optimizer, micro_batch, n_images=8, accumulation=2, loade
     config = load_config(None, [f"train.effective_batch={loader_batch * accumulation}",
                                 f"train.micro_batch={loader_batch}", "train.grad_clip=null"])
     for window in windows(DataLoader(Images(n_images), batch_size=loader_batch), accumulation):
-        _, micro_batch = resilient_step(model, window, optimizer, scaler, CPU, None, config.train, micro_batch)
+        _, micro_batch = resilient_step(StepContext(model, optimizer, scaler, CPU, None, config.train.grad_clip, config.train.dice_weight), window, micro_batch)
     return micro_batch
 
 

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader
 from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.config import load_config
-from cloudseg.train import train, train_step, windows
+from cloudseg.engine import StepContext, train_step, windows
+from cloudseg.train import train
 from tests.test_accumulation import CPU, Images, assert_same_parameters, model_and_sgd
 from tests.test_train import TINY
 
@@ -39,13 +40,13 @@ def test_a_nan_window_makes_no_update(fp16):
     poison(model, {2})  # the second micro-batch of the window
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=fp16)
     (window,) = list(windows(DataLoader(Images(4), batch_size=2), 2))
-    step = train_step(model, window, optimizer, scaler, CPU, torch.float16 if fp16 else None, 1.0, 1.0)
+    step = train_step(StepContext(model, optimizer, scaler, CPU, torch.float16 if fp16 else None, 1.0, 1.0), window)
     assert step.skipped
     assert_same_parameters(model, before, tol=0)
     assert all(p.grad is None for p in model.parameters())  # nothing leaks into the next window
     if fp16:
         assert scaler.get_scale() == 2.0**7  # the scaler's own skip: it backs off
-    healthy = train_step(model, window, optimizer, scaler, CPU, torch.float16 if fp16 else None, 1.0, 1.0)
+    healthy = train_step(StepContext(model, optimizer, scaler, CPU, torch.float16 if fp16 else None, 1.0, 1.0), window)
     assert not healthy.skipped
 
 

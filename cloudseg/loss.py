@@ -1,0 +1,24 @@
+"""The training loss, per image so that it adds up across micro-batches.
+
+Data path: train.csv → Dataset → loader → model → **loss** → accumulated step → checkpoint →
+probabilities at 350×525 → post-process → submission.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def per_image_loss(logits: torch.Tensor, masks: torch.Tensor, dice_weight: float = 1.0) -> torch.Tensor:
+    """BCE + soft Dice loss for each image (shape N), so that losses add up across micro-batches.
+
+    The soft Dice is per image and per class, then averaged: smp's DiceLoss pools the batch,
+    and a mean of micro-batch pooled Dice losses is not the pooled Dice of the window.
+    """
+    target = masks.float()
+    bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none").mean((1, 2, 3))
+    probs = logits.sigmoid()
+    overlap, total = (probs * target).sum((2, 3)), (probs + target).sum((2, 3))
+    soft_dice = 1 - (2 * overlap + 1) / (total + 1)
+    return bce + dice_weight * soft_dice.mean(1)
