@@ -49,7 +49,10 @@ def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The model that training runs forward through: DDP across processes, else the model."""
     if world_size() == 1:
         return model
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # No buffer broadcast: DDP would copy rank 0's BatchNorm statistics over the others' in the
+    # middle of a window; engine.window_norm_statistics makes them agree at its end instead.
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)
 
 
 def gradient_sync(model: torch.nn.Module, now: bool):
@@ -67,6 +70,13 @@ def total(value: float, device: torch.device) -> float:
     tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.item()
+
+
+def summed(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed element-wise over all processes (the tensor itself on one process)."""
+    if world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
 
 
 def gathered(items: list) -> list:

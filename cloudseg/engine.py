@@ -8,6 +8,13 @@ An optimizer step consumes one *window* of `effective_batch` images, fed as micr
 Each micro-batch's loss is the sum of its per-image losses over the number of images in the
 whole window, so the accumulated gradient is exactly the gradient of the window's mean loss,
 also for the short last window of an epoch (which never borrows images from the next epoch).
+
+BatchNorm running statistics move once per window, as for one big batch: each layer's
+running mean and variance take one momentum step toward the mean of the window's
+micro-batch statistics, pooled over every process. This does not depend on how the
+micro-batches are dealt to processes, so every rank holds the same statistics after every
+window, equal (up to rounding) to what one process holds: validation, out-of-fold
+prediction and checkpoints all see one model.
 The training run (train.py) and the memory planner (memory.py) both step through here.
 """
 
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from cloudseg import distributed
 from cloudseg.hardware import autocast
@@ -102,7 +110,7 @@ def train_step(ctx: StepContext, window: list[dict], micro_batch: int | None = N
     world = distributed.world_size()
     window_images = window_images or sum(len(batch["image"]) for batch in window)
     # DDP averages the ranks' gradients: scaling by `world` makes that average the window's sum.
-    with norm_statistics_kept(ctx.model) if not window else contextlib.nullcontext():
+    with window_norm_statistics(ctx.model), norm_statistics_kept(ctx.model) if not window else contextlib.nullcontext():
         window_loss = accumulate(ctx, split(window, micro_batch) or [blank], window_images, world if window else 0)
     ctx.scaler.unscale_(ctx.optimizer)  # once per window, so clipping sees the true gradient
     grad_norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip or math.inf).item()
@@ -118,6 +126,54 @@ def train_step(ctx: StepContext, window: list[dict], micro_batch: int | None = N
             ctx.optimizer.step()
     ctx.optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, grad_norm, skipped)
+
+
+@contextlib.contextmanager
+def window_norm_statistics(model: torch.nn.Module):
+    """Around a window's forward passes: each BatchNorm layer in training mode averages the
+    statistics of its micro-batches (momentum None is PyTorch's cumulative average), and on
+    exit takes one momentum step from its old running statistics toward that average over
+    all processes (one all-reduce). On an error the old statistics come back untouched."""
+    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    before = [(m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+              for m in layers]
+    for layer in layers:
+        layer.momentum = None
+        layer.num_batches_tracked.zero_()
+    try:
+        yield
+    except BaseException:
+        for layer, (_, mean, var, count) in zip(layers, before):
+            layer.running_mean.copy_(mean), layer.running_var.copy_(var), layer.num_batches_tracked.copy_(count)
+        raise
+    else:
+        if layers:
+            _step_running_statistics(layers, before)
+    finally:
+        for layer, (momentum, *_) in zip(layers, before):
+            layer.momentum = momentum
+
+
+@torch.no_grad()
+def _step_running_statistics(layers: list[_BatchNorm], before: list[tuple]) -> None:
+    """Running statistics ← (1 - momentum) × old + momentum × (this window's mean over every
+    process's micro-batches); num_batches_tracked counts windows. Sums travel in float64."""
+    sums = torch.cat([torch.cat([m.running_mean * m.num_batches_tracked, m.running_var * m.num_batches_tracked,
+                                 m.num_batches_tracked.view(1)]).double() for m in layers])
+    sums = distributed.summed(sums)
+    offset = 0
+    for layer, (momentum, mean, var, count) in zip(layers, before):
+        size = len(mean)
+        window_mean, window_var = sums[offset : offset + size], sums[offset + size : offset + 2 * size]
+        micro_batches = sums[offset + 2 * size]
+        offset += 2 * size + 1
+        if micro_batches == 0:  # no process had an image for this layer: nothing to learn from
+            layer.running_mean.copy_(mean), layer.running_var.copy_(var), layer.num_batches_tracked.copy_(count)
+            continue
+        factor = momentum if momentum is not None else 1 / (int(count) + 1)
+        layer.running_mean.copy_((1 - factor) * mean.double() + factor * window_mean / micro_batches)
+        layer.running_var.copy_((1 - factor) * var.double() + factor * window_var / micro_batches)
+        layer.num_batches_tracked.copy_(count + 1)
 
 
 def resilient_step(ctx: StepContext, window: list[dict], micro_batch: int, window_images: int | None = None,

@@ -1,0 +1,99 @@
+"""BatchNorm running statistics move once per window, as for one big batch (engine.py)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from cloudseg.engine import StepContext, train_step, windows
+from tests.test_accumulation import CPU, Images
+
+
+class NormNet(nn.Module):
+    """uint8 images -> logits, with a BatchNorm whose input the test can see."""
+
+    def __init__(self, momentum=0.1):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)
+        self.norm = nn.BatchNorm2d(5, momentum=momentum)
+        self.head = nn.Conv2d(5, 4, 1)
+        self.seen = []  # the BatchNorm's input of each training forward
+
+    def forward(self, images):
+        x = self.conv(images.to(torch.float64) / 255)
+        if self.training:
+            self.seen.append(x.detach().clone())
+        return self.head(torch.relu(self.norm(x)))
+
+
+def step_once(net, micro_batch, accumulation, n_images=8):
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    ctx = StepContext(net, optimizer, torch.amp.GradScaler("cpu", enabled=False), CPU)
+    (window,) = list(windows(DataLoader(Images(n_images), batch_size=micro_batch), accumulation))
+    train_step(ctx, window)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_one_update_per_window_toward_the_mean_of_the_micro_batch_statistics(momentum):
+    """Would catch: PyTorch's default of one update per micro-batch (four here), a mean over
+    the window's images instead of its micro-batches for the variance, and a count that
+    grows per micro-batch."""
+    torch.manual_seed(0)
+    net = NormNet(momentum).double().train()
+    net.norm.running_mean.uniform_(-1, 1), net.norm.running_var.uniform_(0.5, 2)
+    net.norm.num_batches_tracked.fill_(3)
+    old_mean, old_var = net.norm.running_mean.clone(), net.norm.running_var.clone()
+    step_once(net, micro_batch=2, accumulation=4)
+    assert len(net.seen) == 4
+    batch_means = torch.stack([x.mean((0, 2, 3)) for x in net.seen])
+    batch_vars = torch.stack([x.transpose(0, 1).flatten(1).var(1, unbiased=True) for x in net.seen])
+    factor = 0.1 if momentum is not None else 1 / 4  # cumulative average: the 4th update
+    torch.testing.assert_close(net.norm.running_mean, (1 - factor) * old_mean + factor * batch_means.mean(0))
+    torch.testing.assert_close(net.norm.running_var, (1 - factor) * old_var + factor * batch_vars.mean(0))
+    assert int(net.norm.num_batches_tracked) == 4
+    assert net.norm.momentum == momentum  # restored after the window
+
+
+def test_the_test_can_fail_pytorchs_per_micro_batch_updates_differ():
+    """The comparison above is sharp: four updates of momentum 0.1 land elsewhere."""
+    torch.manual_seed(0)
+    net = NormNet().double().train()
+    step_once(net, micro_batch=2, accumulation=4)
+    torch.manual_seed(0)
+    plain = NormNet().double().train()
+    with torch.no_grad():
+        for micro in DataLoader(Images(8), batch_size=2):
+            plain(micro["image"])
+    assert (plain.norm.running_mean - net.norm.running_mean).abs().max() > 1e-3
+
+
+def test_frozen_layers_and_evaluation_mode_are_left_alone():
+    """Would catch: resetting the statistics of a BatchNorm in eval mode (model.norm=frozen)."""
+    torch.manual_seed(0)
+    net = NormNet().double().train()
+    net.norm.eval()
+    before = {k: v.clone() for k, v in net.norm.named_buffers()}
+    step_once(net, micro_batch=2, accumulation=2, n_images=4)
+    for key, value in net.norm.named_buffers():
+        assert torch.equal(value, before[key]), key
+
+
+def test_an_error_inside_the_window_restores_the_old_statistics():
+    """Would catch: a failed window (out of memory) leaving the reset cumulative state behind."""
+    torch.manual_seed(0)
+    net = NormNet().double().train()
+    before = {k: v.clone() for k, v in net.norm.state_dict().items()}
+    forward, calls = net.forward, []
+
+    def fail_second(images):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return forward(images)
+
+    net.forward = fail_second
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        step_once(net, micro_batch=2, accumulation=2, n_images=4)
+    for key, value in net.norm.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert net.norm.momentum == 0.1
