@@ -72,6 +72,15 @@ def total(value: float, device: torch.device) -> float:
     return tensor.item()
 
 
+def smallest(value: int, device: torch.device) -> int:
+    """The smallest of every process's `value`."""
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor(value, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def summed(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` summed element-wise over all processes (the tensor itself on one process)."""
     if world_size() > 1:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cloudseg import distributed
 from cloudseg.config import Config
 from cloudseg.data import padded_shape
 from cloudseg.engine import StepContext, accumulate
@@ -103,7 +104,8 @@ def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size,
 
 def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, world: int = 1) -> int:
     """`train.micro_batch`, probing the largest that fits when it is `auto` (`world`: processes
-    that share each window)."""
+    that share each window). Every process probes its own GPU, and all take the smallest
+    answer: the sampler cuts windows by it, so the processes must agree."""
     micro_batch = config.train.micro_batch
     if micro_batch != "auto":
         return micro_batch
@@ -115,10 +117,21 @@ def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, wor
         chosen = max(d for d in candidates if d <= 4)
         log.info("train.micro_batch=auto on %s: nothing to probe, using %d", device, chosen)
         return chosen
-    capacity = torch.cuda.get_device_properties(device).total_memory
-    chosen = largest_fitting(candidates, lambda n: measured_peak(model, config, n, image_size, device), capacity)
-    log.info("train.micro_batch=auto: %d fits (accumulation %d)", chosen, config.train.effective_batch // world // chosen)
-    return chosen
+    buckets = parameter_bytes(model) if world > 1 else 0  # DDP's gradient buckets: one more copy of the gradients
+    chosen = largest_fitting(candidates, lambda n: measured_peak(model, config, n, image_size, device) + buckets,
+                             available_bytes(device))
+    agreed = distributed.smallest(chosen, device)
+    if agreed != chosen:
+        log.info("train.micro_batch=auto: %d fits this GPU, %d fits every process's", chosen, agreed)
+    log.info("train.micro_batch=auto: %d (accumulation %d)", agreed, config.train.effective_batch // world // agreed)
+    return agreed
+
+
+def available_bytes(device: torch.device) -> int:
+    """What this process can hold on its GPU: the free memory (other processes on the same GPU
+    count) plus what its own allocator has reserved already."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 # ---------------------------------------------------------------------------------- CPU estimate

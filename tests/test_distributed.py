@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -18,9 +19,26 @@ from cloudseg.engine import windows
 from cloudseg.train import train
 from tests.test_train import TINY
 
-# 24 images in 4 folds: 18 train, so each epoch ends with a 2-image window that one process
-# gets whole and the other joins with a weightless blank image.
-OPTIONS = [*TINY, "data.n_folds=4", "train.device=cpu"]
+# 24 images in 4 folds: 18 train in windows of 8, 8 and 2. With 2 processes each takes 2
+# micro-batches of 2 per window (so no_sync runs), and in the last window one process gets
+# the 2 images and the other joins with a weightless blank image.
+OPTIONS = [*TINY, "data.n_folds=4", "train.device=cpu", "train.effective_batch=8"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def torchrun_train(out, options, entry=("-m", "cloudseg")):
+    command = [*TORCHRUN, *entry, "train", "-c", "configs/demo.yaml", "--out", str(out), *options]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def train_one_process(config, out):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun sets for each process: the same kernels, bit for bit
+    try:
+        train(config, out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_each_rank_gets_whole_micro_batches_of_the_single_process_order():
@@ -52,30 +70,40 @@ def test_accumulation_keeps_the_effective_batch_across_processes():
         config.train.accumulation_for(3)
 
 
-def test_two_processes_train_the_same_parameters_as_one(tiny_data, tmp_path):
+def test_two_processes_train_the_same_parameters_and_statistics_as_one(tiny_data, tmp_path):
+    """Would catch: gradients summed instead of averaged, a window cut differently on the
+    ranks, BatchNorm statistics left per rank (each rank's own micro-batches) or copied from
+    rank 0, and validation scoring each shard with a different model."""
     data = shutil.copytree(tiny_data, tmp_path / "data")
     options = [f"data.dir={data}", *OPTIONS]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun sets for each process: the same kernels, bit for bit
-    try:
-        train(load_config("configs/demo.yaml", options), tmp_path / "one")
-    finally:
-        torch.set_num_threads(threads)
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "cloudseg", "train", "-c", "configs/demo.yaml", "--out", str(tmp_path / "two"), *options]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 process(es) x 1 micro-batches of 2 per step" in (tmp_path / "two/train.log").read_text()
+    train_one_process(load_config("configs/demo.yaml", options), tmp_path / "one")
+    torchrun_train(tmp_path / "two", options)
+    assert "2 process(es) x 2 micro-batches of 2 per step" in (tmp_path / "two/train.log").read_text()
 
     one, two = load_checkpoint(tmp_path / "one/last.pt"), load_checkpoint(tmp_path / "two/last.pt")
-    assert one["step"] == two["step"] == 10  # 2 epochs of ceil(18 / 4) windows
-    parameters = [name for name in one["model"] if name.rsplit(".", 1)[-1] not in NORM_STATISTICS]
-    for name in parameters:
-        torch.testing.assert_close(two["model"][name], one["model"][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert one["step"] == two["step"] == 6  # 2 epochs of ceil(18 / 8) windows
+    assert set(one["model"]) == set(two["model"])
+    statistics = [name for name in one["model"] if name.rsplit(".", 1)[-1] in NORM_STATISTICS]
+    assert statistics  # the demo model has BatchNorm: its buffers are compared too
+    for name, tensor in one["model"].items():
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     a, b = pd.read_csv(tmp_path / "one/metrics.csv"), pd.read_csv(tmp_path / "two/metrics.csv")
     assert b["train_loss"].tolist() == pytest.approx(a["train_loss"].tolist(), rel=1e-6)
+    assert b["dice"].tolist() == pytest.approx(a["dice"].tolist(), abs=1e-6)  # validation saw one model
+    assert b["valid_loss"].tolist() == pytest.approx(a["valid_loss"].tolist(), rel=1e-5)
     assert {"best.pt", "oof.npz", "config.yaml"} <= {p.name for p in (tmp_path / "two").iterdir()}
+
+
+def test_the_test_can_fail_syncing_the_first_micro_batch_instead_of_the_last(tiny_data, tmp_path):
+    """A control: with the all-reduce on the window's first micro-batch, the last micro-batch's
+    gradient stays on its rank, and the comparison above sees it."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    options = [f"data.dir={data}", *OPTIONS, "train.epochs=1"]
+    train_one_process(load_config("configs/demo.yaml", options), tmp_path / "one")
+    torchrun_train(tmp_path / "two", options, entry=[str(Path(__file__).with_name("ddp_sync_first.py"))])
+    one, two = load_checkpoint(tmp_path / "one/last.pt")["model"], load_checkpoint(tmp_path / "two/last.pt")["model"]
+    name = "unet.segmentation_head.0.weight"
+    assert (one[name] - two[name]).abs().max() > 1e-4
 
 
 def test_the_test_can_fail_a_different_effective_batch_trains_other_parameters(tiny_data, tmp_path):
