@@ -4,7 +4,15 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 # uv resolves torch and torchvision as a matching pair; bootstrap it with pip when missing.
 UV      := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
-STAMP   := $(VENV)/.installed
+# make install TORCH_BACKEND=cu126 (or auto: uv picks the build for this machine's driver; cpu, cu118,
+# rocm6.3, ...): PyTorch built for that backend instead of requirements.txt's default CUDA build,
+# e.g. for a GPU `cloudseg doctor` says PyTorch cannot use. Remembered in .venv for later targets;
+# TORCH_BACKEND= (empty) returns to the pinned build.
+TORCH_BACKEND ?= $(shell cat $(VENV)/.torch-backend 2>/dev/null)
+STAMP   := $(VENV)/.installed$(if $(TORCH_BACKEND),-$(TORCH_BACKEND))
+# requirements.txt pins torch of its default CUDA build and that build's CUDA libraries: a named
+# backend installs these itself, the newest of its builds that pyproject.toml allows.
+TORCH_PINS := ^(torch|torchvision|triton|cuda-[a-z-]+|nvidia-[a-z0-9-]+)==
 
 # make train: the real job on data/kaggle, or (when that is absent and DATA was not named)
 # the CPU demo on a synthetic dataset.
@@ -37,7 +45,8 @@ help:
 	@echo "make tensorboard  TensorBoard on runs/ (every run logs to RUN/tb)"
 	@echo "make notebooks executes notebooks/*.ipynb headless (outputs stay out of git)"
 	@echo "make lab       Jupyter Lab on notebooks/ (installs it on first use)"
-	@echo "make install   create .venv (uv) with cloudseg and its dev extras"
+	@echo "make install   create .venv (uv) with cloudseg and its dev extras [TORCH_BACKEND=auto|cu126|cu118|cpu|...:"
+	@echo "               PyTorch for that backend instead of the pinned CUDA build; see cloudseg doctor]"
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
 	@echo "make bench     print benchmark tables (RLE codec, training and inference speed)"
@@ -50,8 +59,18 @@ install: $(STAMP)
 	.tools/bin/pip install -q uv
 
 $(STAMP): pyproject.toml requirements.txt | $(UV)
+	@# another backend's torch and CUDA libraries would stay behind: start from an empty .venv
+	@if [ -d $(VENV) ] && [ "$$(cat $(VENV)/.torch-backend 2>/dev/null)" != "$(TORCH_BACKEND)" ]; then \
+	  echo "make install: TORCH_BACKEND changed to '$(TORCH_BACKEND)', recreating $(VENV)"; rm -rf $(VENV); fi
 	$(UV) venv -q --allow-existing --python $(PYTHON) $(VENV)
+ifeq ($(TORCH_BACKEND),)
 	$(UV) pip install -q --python $(PY) -r requirements.txt -e '.[dev]'
+else
+	grep -vE '$(TORCH_PINS)' requirements.txt > $(VENV)/requirements-without-torch.txt
+	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(VENV)/requirements-without-torch.txt -e '.[dev]'
+	echo $(TORCH_BACKEND) > $(VENV)/.torch-backend
+endif
+	rm -f $(VENV)/.installed*
 	touch $@
 
 test: $(STAMP)

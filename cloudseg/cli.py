@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
     config.add_argument("overrides", nargs="*", metavar="key=value")
     config.set_defaults(run=run_config)
+
+    doctor = commands.add_parser("doctor", help="versions, GPUs, precision; why PyTorch cannot use a GPU")
+    doctor.set_defaults(run=run_doctor)
     return parser
 
 
@@ -243,3 +246,17 @@ def run_show(args) -> None:
 
     for path in show(args.image_ids, args.data_dir, args.submission, args.out):
         print(f"wrote {path}")
+
+
+def run_doctor(args) -> int:
+    from cloudseg.hardware import doctor
+
+    lines, problems = doctor()
+    print("\n".join(lines))
+    if not problems:
+        print("no problems found")
+        return 0
+    print(f"{len(problems)} problem(s):")
+    for problem in problems:
+        print(f"  {problem}")
+    return 1

@@ -1,30 +1,272 @@
 """Where the model runs and in which precision: every such decision is made here, once.
 
-Training, validation, out-of-fold and test prediction and `cloudseg memory` all ask these
-functions, so a precision name means the same autocast dtype everywhere.
+Training, validation, out-of-fold and test prediction, `cloudseg memory` and `cloudseg doctor`
+all ask these functions, so a precision name means the same autocast dtype everywhere.
 """
 
 from __future__ import annotations
 
+import logging
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
 import torch
+
+log = logging.getLogger("cloudseg")
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Ampere (A100, RTX 30xx) is the first NVIDIA generation with bf16 in hardware. Before it
+# (GTX 1080 Ti 6.1, P100 6.0, V100 7.0, T4 and RTX 2080 Ti 7.5) bf16 is emulated through fp32
+# and cuDNN has no bf16 convolutions, while fp16 halves the activations just as well.
+NATIVE_BF16 = (8, 0)
+# Full-resolution forward+backward of UNet-ResNet34 on a 2-core CPU (design.md); a CPU step
+# costs about the same per pixel at any size, so this scales with the image area.
+CPU_SECONDS_PER_FULL_IMAGE = 28.0
+FULL_IMAGE_PIXELS = 1400 * 2100
+# train.device=auto refuses the CPU above this area: at 512x512 a CPU step already takes
+# ~2.5 s per image (hours per epoch on the Kaggle set), while the CPU demo (192x288) and
+# the tests (64x96) stay far below it.
+CPU_MAX_PIXELS = 512 * 512
+# CUDA 13 builds of PyTorch (and its newest CUDA 12 builds) have no kernels for Maxwell,
+# Pascal and Volta (compute capability < 7.5); its CUDA 12.6 builds still do.
+OLD_GPU_BACKEND = "cu126"
+NVIDIA_PROC = Path("/proc/driver/nvidia")  # the kernel driver's view, present even without nvidia-smi
+
+
+# ---------------------------------------------------------------------------------- device
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` -> cuda when available, else cpu."""
+    """`auto` -> cuda when PyTorch can use a GPU, else cpu; a GPU this build has no kernels for is an error."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA GPU is visible; use train.device=auto or cpu")
-    return torch.device(name)
+        raise ValueError("train.device=cuda but PyTorch sees no CUDA GPU; `cloudseg doctor` says why "
+                         "(or set train.device=cpu)")
+    device = torch.device(name)
+    if device.type == "cuda":
+        problem = unsupported_gpu(torch.cuda.current_device() if device.index is None else device.index)
+        if problem:  # otherwise the first convolution fails with "no kernel image is available"
+            raise ValueError(problem)
+    return device
+
+
+def require_usable_device(requested: str, device: torch.device, image_size, n_images: int) -> None:
+    """No silent CPU: with train.device=auto, images larger than CPU_MAX_PIXELS need a GPU."""
+    height, width = image_size
+    if requested != "auto" or device.type != "cpu" or height * width <= CPU_MAX_PIXELS:
+        return
+    seconds = CPU_SECONDS_PER_FULL_IMAGE * height * width / FULL_IMAGE_PIXELS
+    raise ValueError(f"train.device=auto found no usable GPU, and on the CPU {height}x{width} images take "
+                     f"~{seconds:.0f} s each: ~{seconds * n_images / 3600:.0f} h per epoch of {n_images} images; "
+                     "`cloudseg doctor` says why PyTorch sees no GPU (set train.device=cpu to train on the CPU anyway)")
+
+
+def has_kernels(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a PyTorch built for `arch_list` (torch.cuda.get_arch_list()) runs on a GPU of `capability`.
+
+    Machine code sm_XY runs on GPUs of major version X and minor >= Y; PTX compute_XY is
+    compiled by the driver for any GPU of capability >= X.Y.
+    """
+    if not arch_list:  # nothing known about this build: nothing to say
+        return True
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        code = divmod(int(re.sub(r"\D", "", number)), 10)  # sm_120 -> (12, 0); sm_90a -> (9, 0)
+        if kind == "sm" and code[0] == capability[0] and code[1] <= capability[1]:
+            return True
+        if kind == "compute" and code <= tuple(capability):
+            return True
+    return False
+
+
+def unsupported_gpu(index: int) -> str | None:
+    """Why this PyTorch cannot run kernels on GPU `index` (and how to fix it), or None when it can."""
+    if torch.version.cuda is None:  # ROCm builds name their targets differently
+        return None
+    props = torch.cuda.get_device_properties(index)
+    capability = (props.major, props.minor)
+    arch_list = torch.cuda.get_arch_list()
+    if has_kernels(capability, arch_list):
+        return None
+    backend = OLD_GPU_BACKEND if capability < (7, 5) else "auto"
+    return (f"GPU {index} ({props.name}, compute capability {props.major}.{props.minor}) has no kernels in "
+            f"PyTorch {torch.__version__} (built for {' '.join(arch_list)}): "
+            f"reinstall with `make install TORCH_BACKEND={backend}`")
+
+
+def speed_switches(device: torch.device) -> None:
+    """cuDNN benchmarks its convolution algorithms once per input shape and keeps the fastest:
+    worth it here, where training and inference see a handful of fixed shapes. Nothing on a CPU."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+# ---------------------------------------------------------------------------------- precision
+
+
+def precision_for_capability(capability: tuple[int, int]) -> str:
+    """What train.precision=auto means on a GPU of this compute capability: bf16 where it is native,
+    else fp16 (with a GradScaler). `cloudseg memory` asks it about cards it is not running on."""
+    return "bf16" if tuple(capability) >= NATIVE_BF16 else "fp16"
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """`train.precision` on `device` -> fp32, bf16 or fp16. auto: fp32 on the CPU, else by compute capability.
+
+    The capability of this very device decides, not torch.cuda.is_bf16_supported(): by default
+    that counts emulation (True on a T4), and it asks only the current device.
+    """
+    if name not in PRECISIONS:
+        raise ValueError(f"train.precision={name!r}: expected one of {', '.join(PRECISIONS)}")
+    if device.type != "cuda":
+        return "fp32" if name == "auto" else name
+    capability = torch.cuda.get_device_capability(device)
+    if name == "auto":
+        return precision_for_capability(capability)
+    if name == "bf16" and capability < NATIVE_BF16:
+        log.warning("train.precision=bf16 on a GPU of compute capability %d.%d: bf16 is emulated there (slow, "
+                    "and cuDNN has no bf16 convolutions); train.precision=auto picks fp16", *capability)
+    return name
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for `train.precision` (None = plain fp32); auto = bf16 on CUDA when supported."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    """The autocast dtype for `train.precision` on `device` (None = plain fp32)."""
+    return AUTOCAST_DTYPES[resolve_precision(precision, device)]
+
+
+def needs_grad_scaler(dtype: torch.dtype | None) -> bool:
+    """fp16 gradients underflow below ~6e-8, so its losses are scaled up; bf16 has fp32's range."""
+    return dtype == torch.float16
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """Mixed-precision context for `dtype` (a no-op for None)."""
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+# ---------------------------------------------------------------------------------- doctor
+
+
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output, or None where it is missing or fails (no driver loaded)."""
+    program = shutil.which("nvidia-smi")
+    if program is None:
+        return None
+    try:
+        return subprocess.run([program, *args], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def driver_versions() -> tuple[str | None, str | None]:
+    """The NVIDIA driver's version and the newest CUDA it supports (None where unknown)."""
+    text = nvidia_smi() or ""
+    driver, cuda = (re.search(rf"{key} Version:\s*([\d.]+)", text) for key in ("Driver", "CUDA"))
+    if driver is None:
+        try:
+            driver = re.search(r"Kernel Module.*?\s(\d+\.\d+[\d.]*)\s", (NVIDIA_PROC / "version").read_text())
+        except OSError:
+            pass
+    return driver and driver.group(1), cuda and cuda.group(1)
+
+
+def system_gpus() -> list[str]:
+    """The NVIDIA GPUs the operating system sees, whether or not PyTorch can use them."""
+    listed = nvidia_smi("-L")
+    if listed:
+        return [line.split(" (UUID")[0] for line in listed.splitlines() if line.startswith("GPU")]
+    gpus = NVIDIA_PROC / "gpus"
+    return [f"GPU at PCI {path.name}" for path in sorted(gpus.iterdir())] if gpus.is_dir() else []
+
+
+def torch_build() -> str:
+    """PyTorch's version and what it was built for."""
+    if torch.version.cuda:
+        return (f"PyTorch {torch.__version__}, built for CUDA {torch.version.cuda} "
+                f"({' '.join(torch.cuda.get_arch_list()) or 'no kernel list'}), cuDNN {cudnn_version()}")
+    if getattr(torch.version, "hip", None):
+        return f"PyTorch {torch.__version__}, built for ROCm {torch.version.hip}"
+    return f"PyTorch {torch.__version__}, a CPU-only build"
+
+
+def cudnn_version() -> str:
+    try:
+        return str(torch.backends.cudnn.version())
+    except RuntimeError as error:  # cuDNN 9.11 and later refuse to load beside a GPU older than 7.5
+        return f"unusable here ({str(error).split('. ')[0]})"
+
+
+def gpu_line(index: int) -> str:
+    """One GPU PyTorch can see: what it is and the precision train.precision=auto gives it."""
+    props = torch.cuda.get_device_properties(index)
+    precision = precision_for_capability((props.major, props.minor))
+    return (f"GPU {index}: {props.name}, compute capability {props.major}.{props.minor}, "
+            f"{props.total_memory / 2**30:.1f} GiB, native bf16: {'yes' if precision == 'bf16' else 'no'}, "
+            f"precision auto: {precision}{' with a GradScaler' if precision == 'fp16' else ''}")
+
+
+def auto_device() -> str:
+    """What train.device=auto resolves to, as training would see it."""
+    try:
+        device = resolve_device("auto")
+    except ValueError:
+        return "nothing, training refuses to start (see the problems)"
+    return f"cuda (GPU {torch.cuda.current_device()})" if device.type == "cuda" else "the CPU"
+
+
+def library_versions() -> str:
+    import cv2
+    import numpy
+
+    def version(distribution: str) -> str:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"segmentation-models-pytorch {version('segmentation-models-pytorch')}, "
+            f"albumentations {version('albumentations')}, OpenCV {cv2.__version__}, numpy {numpy.__version__}")
+
+
+def unusable_gpu_problem(gpus: list[str], driver: str | None, driver_cuda: str | None) -> str | None:
+    """When the system has an NVIDIA GPU but PyTorch cannot use any: why, in plain words, and what to do."""
+    if not gpus or torch.cuda.is_available():
+        return None
+    seen = (f"the system has {len(gpus)} NVIDIA GPU(s) ({'; '.join(gpus)}), "
+            f"but PyTorch {torch.__version__} cannot use them")
+    fix = "`make install TORCH_BACKEND=auto` (uv picks the build for this driver; or name one, e.g. cu118)"
+    if not torch.version.cuda:
+        return f"{seen}: it is a CPU-only build. Reinstall with a CUDA build: {fix}"
+    return (f"{seen}: it is built for CUDA {torch.version.cuda}, and the driver ({driver or 'version unknown'}"
+            f"{f', CUDA up to {driver_cuda}' if driver_cuda else ''}) is most likely too old for it. "
+            f"Update the NVIDIA driver, or reinstall with a build for this driver: {fix}")
+
+
+def doctor() -> tuple[list[str], list[str]]:
+    """What a bug report needs (lines), and the problems found, each saying what to do."""
+    import cloudseg
+
+    driver, driver_cuda = driver_versions()
+    gpus = system_gpus()
+    lines = [f"cloudseg {cloudseg.__version__} ({Path(cloudseg.__file__).parent})",
+             f"Python {platform.python_version()} ({sys.executable}) on {platform.platform()}",
+             torch_build(),
+             f"NVIDIA driver {driver} (CUDA up to {driver_cuda or 'unknown'})" if driver
+             else "NVIDIA driver: none found (no nvidia-smi, no /proc/driver/nvidia)"]
+    usable = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lines += [gpu_line(index) for index in range(usable)]
+    if not usable:
+        lines.append(f"GPUs PyTorch can use: none{f' (the system lists {len(gpus)})' if gpus else ''}")
+    lines += [f"train.device=auto uses: {auto_device()}", library_versions()]
+    problems = [problem for problem in [unusable_gpu_problem(gpus, driver, driver_cuda)]
+                + [unsupported_gpu(index) for index in range(usable)] if problem]
+    if not gpus and not usable:
+        lines.append("no NVIDIA GPU found: only the CPU demo is practical here (train.device=cpu for larger images)")
+    return lines, problems

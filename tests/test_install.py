@@ -1,0 +1,53 @@
+"""`make install TORCH_BACKEND=...`: what the install step would run (make -n runs nothing)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def planned_install(venv: Path, *args: str) -> str:
+    """The commands `make install` would run, for a .venv at `venv`."""
+    return subprocess.run(["make", "-n", "install", f"VENV={venv}", *args], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_default_install_keeps_the_pinned_build(tmp_path):
+    """Catches the knob changing today's install when it is not used."""
+    plan = planned_install(tmp_path / "venv")
+    assert "-r requirements.txt -e '.[dev]'" in plan and "--torch-backend" not in plan
+
+
+def test_a_backend_installs_torch_from_it_without_the_pins_of_the_default_build(tmp_path):
+    """Catches the backend not reaching uv, and a filter that keeps the default build's torch or
+    CUDA libraries (uv would then ask that backend for torch==<pinned>, or install both CUDAs) or
+    drops the other pins."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    plan = planned_install(venv, "TORCH_BACKEND=cu126")
+    assert f"--torch-backend cu126 -r {venv}/requirements-without-torch.txt -e '.[dev]'" in plan
+    filtering = next(line for line in plan.splitlines() if line.startswith("grep "))
+    subprocess.run(filtering, shell=True, cwd=ROOT, check=True)
+    kept = set(re.findall(r"^([a-z0-9-]+)==", (venv / "requirements-without-torch.txt").read_text(), re.M))
+    pinned = set(re.findall(r"^([a-z0-9-]+)==", (ROOT / "requirements.txt").read_text(), re.M))
+    dropped = pinned - kept
+    assert {"torch", "torchvision"} <= dropped
+    assert all(re.match(r"torch$|torchvision$|triton$|nvidia-|cuda-", name) for name in dropped)
+    assert {"numpy", "segmentation-models-pytorch", "albumentations", "timm"} <= kept
+
+
+def test_the_backend_is_remembered_by_later_targets(tmp_path):
+    """After `make install TORCH_BACKEND=cu126`, a plain `make test` must not reinstall the
+    default build over it. Catches a stamp that ignores the remembered backend."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".torch-backend").write_text("cu126\n")
+    assert "--torch-backend cu126" in planned_install(venv)
+    assert "--torch-backend" not in planned_install(venv, "TORCH_BACKEND=")
