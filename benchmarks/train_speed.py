@@ -1,9 +1,9 @@
 """Full-resolution training and inference speed and memory, side by side; prints a table.
 
   a. textbook accumulation loop: fp32, loss / accumulation_steps, no AMP, no channels_last
-  b. cloudseg's default training step (precision auto = bf16 on CUDA, channels_last)
+  b. cloudseg's default training step (precision auto: bf16 from compute capability 8.0, fp16 before; channels_last)
   c. cloudseg with train.checkpointing=full
-  d. PyTorch Lightning, Trainer(accumulate_grad_batches=4, precision="bf16-mixed"), same model
+  d. PyTorch Lightning, Trainer(accumulate_grad_batches=4, precision as cloudseg's auto), same model
   e. data loading alone: CloudDataset (JPEG decode + 4 RLE decodes + flips), per CPU core
   and inference: test-time images/s with 4-flip TTA, projected to Kaggle's 3,698 test images.
 
@@ -29,7 +29,7 @@ import torch
 
 from cloudseg.config import load_config
 from cloudseg.data import CloudDataset, build_transform
-from cloudseg.hardware import autocast_dtype
+from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.predict import predict_probs
 from cloudseg.synth import synthesize
@@ -37,6 +37,7 @@ from cloudseg.engine import StepContext, train_step
 from cloudseg.loss import per_image_loss
 
 KAGGLE_TEST_IMAGES = 3698
+LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}  # as cloudseg's auto
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
         "a. textbook loop (fp32)": timed(device, lambda: textbook(config, batches, args, device)),
         "b. cloudseg default": timed(device, lambda: cloudseg(config, batches, args, device, "none")),
         "c. cloudseg checkpointing=full": timed(device, lambda: cloudseg(config, batches, args, device, "full")),
-        "d. Lightning bf16-mixed": timed(device, lambda: lightning(config, batches, args, device)),
+        "d. Lightning, same precision": timed(device, lambda: lightning(config, batches, args, device)),
     }
     print_table(rows)
     loader_rate = loading_rate(args)
@@ -138,8 +139,8 @@ def cloudseg(config, batches, args, device, checkpointing):
     model = build_model(config.model, pretrained=False).to(device).train()
     prepare_for_training(model, config.train.channels_last, checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
     dtype = autocast_dtype(config.train.precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
     accumulation = args.effective_batch // args.micro_batch
     windows = [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
     start = None
@@ -176,7 +177,7 @@ def lightning(config, batches, args, device):
 
     accumulation = args.effective_batch // args.micro_batch
     trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         precision="bf16-mixed" if device.type == "cuda" else "32-true",
+                         precision=LIGHTNING_PRECISION[resolve_precision(config.train.precision, device)],
                          accumulate_grad_batches=accumulation, max_steps=args.warmup + args.steps,
                          gradient_clip_val=config.train.grad_clip, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()])

@@ -64,7 +64,8 @@ class TrainConfig(Section):
     schedule: Literal["cosine", "constant"] = Field("cosine", description="learning-rate shape after warmup, per step")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")
     precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
-        "auto", description="autocast dtype; auto = bf16 on a CUDA GPU that supports it, else fp32"
+        "auto", description="autocast dtype; auto = bf16 on a GPU of compute capability >= 8.0, "
+        "fp16 with a GradScaler on older GPUs, fp32 on CPU"
     )
     grad_clip: float | None = Field(1.0, gt=0, description="max global gradient norm; null = no clipping")
     dice_weight: float = Field(1.0, ge=0, description="loss = BCE + dice_weight x per-image soft Dice loss")

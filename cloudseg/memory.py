@@ -20,7 +20,7 @@ from cloudseg import distributed
 from cloudseg.config import Config
 from cloudseg.data import padded_shape
 from cloudseg.engine import StepContext, accumulate
-from cloudseg.hardware import autocast_dtype
+from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision
 from cloudseg.model import (CloudNet, build_model, checkpoint_blocks, norm_statistics,
                             prepare_for_training, restore_norm_statistics)
 from cloudseg.task import IMAGE_SHAPE, LABELS
@@ -84,7 +84,7 @@ def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size,
     Leaves the model as it found it (gradients cleared, norm statistics restored).
     """
     dtype = autocast_dtype(config.train.precision, device)
-    step = StepContext(model, None, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), device, dtype)
+    step = StepContext(model, None, torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype)), device, dtype)
     saved_statistics = norm_statistics(model)
     batch = {"image": torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device),
              "mask": torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)}
@@ -149,8 +149,8 @@ def estimate(config: Config, image_size=IMAGE_SHAPE) -> dict[str, StepMemory]:
     while probe[0] * probe[1] > PROBE_AREA:
         probe = padded_shape((probe[0] // 2, probe[1] // 2))
     area_scale = (full[0] * full[1]) / (probe[0] * probe[1])
-    precision = "bf16" if config.train.precision == "auto" else config.train.precision  # as on a recent GPU
-    float_scale = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}[precision]
+    # auto is bf16 or fp16 on a GPU (hardware.precision_for_capability): both store activations in 2 bytes
+    float_scale = 1.0 if config.train.precision == "fp32" else 0.5
     counts = _saved_bytes(model, probe, float_scale)
     weights = parameter_bytes(model)
     result = {}
@@ -222,7 +222,11 @@ def measure(config: Config, image_size, device) -> dict[str, StepMemory]:
 def report(config: Config, micro_batch: int, device) -> str:
     """The breakdown at `micro_batch` and the largest micro-batch per card, as printed by `cloudseg memory`."""
     image_size = tuple(config.data.image_size or IMAGE_SHAPE)
-    precision = "bf16" if config.train.precision == "auto" else config.train.precision
+    if device.type == "cuda":
+        precision = resolve_precision(config.train.precision, device)
+    else:
+        precision = "auto (bf16 from compute capability 8.0, fp16 before)" if config.train.precision == "auto" \
+            else config.train.precision
     if device.type == "cuda":
         steps, how = measure(config, image_size, device), f"measured on {torch.cuda.get_device_name(device)}"
     else:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from cloudseg.config import Config
 from cloudseg.data import CloudDataset, fold_ids, make_loader, readable
 from cloudseg.files import atomic_path
-from cloudseg.hardware import autocast_dtype, resolve_device
+from cloudseg.hardware import autocast_dtype, resolve_device, speed_switches
 from cloudseg.metrics import resize_masks
 from cloudseg.postprocess import quantize
 from cloudseg.predict import batch_probabilities, load_model
@@ -70,6 +70,7 @@ def read_oof(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def oof_from_checkpoint(checkpoint: str | Path, out: str | Path | None = None) -> Path:
     """`cloudseg oof`: the held-out fold of a checkpoint's run, written beside it by default."""
     device = resolve_device("auto")
+    speed_switches(device)
     model, config = load_model(checkpoint, device)
     out = Path(out) if out else Path(checkpoint).parent / OOF_FILE
     write_oof(out, *predict_oof(model, config, device))

@@ -22,7 +22,7 @@ from cloudseg.config import Config, PredictConfig, apply_overrides, from_dict
 from cloudseg.data import CloudDataset, make_loader, test_image_ids
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
-from cloudseg.hardware import autocast, autocast_dtype, resolve_device
+from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
 from cloudseg.model import CloudNet, build_model
 from cloudseg.postprocess import RULE_KEYS, postprocess, read_rule_file
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
@@ -94,6 +94,7 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     """Average the checkpoints' probabilities at 350×525, post-process (with the tuned rule of
     `postprocess_file` when given), write a checked submission."""
     device = resolve_device("auto")
+    speed_switches(device)
     loaded = [load_model(path, device) for path in checkpoints]
     models = [model for model, _ in loaded]
     raw = loaded[0][1].model_dump(mode="json")

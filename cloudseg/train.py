@@ -35,7 +35,8 @@ from cloudseg.config import Config, TrainConfig, dump
 from cloudseg.data import CloudDataset, EpochSampler, Problem, build_transform, fold_ids, make_loader, readable
 from cloudseg.engine import StepContext, StepResult, resilient_step, windows
 from cloudseg.files import atomic_path
-from cloudseg.hardware import autocast_dtype, resolve_device
+from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_usable_device, resolve_device,
+                               resolve_precision, speed_switches)
 from cloudseg.loss import per_image_loss
 from cloudseg.memory import resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
@@ -134,6 +135,8 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     seed_everything(config.seed)
     train_set, valid_set = datasets(config)
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
+    require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
+    speed_switches(device)  # before the micro-batch probe, so that it measures the same algorithms
     model = build_model(config.model).to(device)
     prepare_for_training(model, config.train.channels_last, config.train.checkpointing)
     if config.model.norm == "frozen" and config.model.encoder_weights is None:
@@ -143,7 +146,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
     scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
     start_epoch, history, progress = 0, [], None
     if resume:
         start_epoch, history, progress = restore(run_dir / "last.pt", model=model, optimizer=optimizer,
@@ -170,7 +173,7 @@ def assemble(config: Config, run_dir: Path, step: StepContext, scheduler, sets) 
                                every_epoch=True)
     log.info("training %d images, validating %d (fold %d) at %dx%d on %s, %s; %d process(es) x %d micro-batches "
              "of %d per step", len(train_set), len(valid_set), config.data.fold, *train_set.image_size, device,
-             step.dtype or "fp32", world, config.train.accumulation_for(world), micro_batch)
+             resolve_precision(config.train.precision, device), world, config.train.accumulation_for(world), micro_batch)
     model = step.model
     step = dataclasses.replace(step, model=distributed.wrap(model, device))
     return Run(config, run_dir, model, step, scheduler, sampler, train_loader, valid_loader, board, micro_batch)
