@@ -426,7 +426,8 @@ def label_strata(present: np.ndarray, n_folds: int) -> np.ndarray:
     """Each image's label set as a bitmask (images × labels booleans in), the stratum it is
     folded by. StratifiedKFold needs one stratum of n_folds images: until there is one, the
     rarest set (the smaller bitmask on ties) joins the set differing from it in the fewest
-    labels (ties: the larger, then the smaller bitmask). Nothing merges when one already is."""
+    labels (ties: the larger, then the smaller bitmask). When some set already holds n_folds
+    images nothing merges, so every table that split before splits as before."""
     strata = present @ (1 << np.arange(present.shape[1]))
     sets, counts = np.unique(strata, return_counts=True)
     while counts.max() < n_folds:
