@@ -24,8 +24,9 @@ ARGS    ?=
 # make train NPROC=N: N processes (one per GPU) through torchrun, DDP.
 NPROC   ?= 1
 TRAIN   := $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m cloudseg train,$(PY) -m cloudseg train)
-# make predict: the latest run unless RUN is named.
-RUN     ?= $(patsubst %/,%,$(shell ls -td runs/*/ 2>/dev/null | head -1))
+# make predict: unless RUN is named, the newest folder in runs/ that holds a best.pt itself
+# (not runs/cv, whose checkpoints are in its folds: make submit; not a run still in epoch 1).
+RUN     ?= $(patsubst %/,%,$(firstword $(foreach d,$(shell ls -td runs/*/ 2>/dev/null),$(if $(wildcard $(d)best.pt),$(d)))))
 SUBMISSION ?= submission.csv
 
 # make cv / make submit: one run per fold under CV_DIR, tuned together.
@@ -37,7 +38,7 @@ CV_DIR  ?= runs/cv
 help:
 	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
 	@echo "               without data/kaggle: the synthetic demo) [ARGS='key=value ...'] [NPROC=N: N GPUs, DDP]"
-	@echo "make predict   RUN's best.pt (default: latest run) -> $(SUBMISSION), scored when the data has a solution"
+	@echo "make predict   RUN's best.pt (default: the newest run with one) -> $(SUBMISSION), scored when the data has a solution"
 	@echo "make cv        train every fold in FOLDS into CV_DIR/foldK, then tune on their OOF probabilities"
 	@echo "               (demo without data/kaggle: folds 0 and 1 of the synthetic data)"
 	@echo "make submit    all folds of CV_DIR + postprocess.json -> $(SUBMISSION), scored when possible"

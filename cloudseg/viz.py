@@ -96,7 +96,7 @@ def show(image_ids: list[str], data_dir: str | Path, submission: str | Path | No
     solution = read_label_csv(data_dir / TEST_SOLUTION_CSV) if (data_dir / TEST_SOLUTION_CSV).is_file() else None
     predicted = read_label_csv(submission) if submission else None
     written = []
-    for image_id in image_ids:
+    for image_id in map(image_file_name, image_ids):
         in_train = image_id in train.index
         image = read_image(data_dir / (TRAIN_IMAGES if in_train else TEST_IMAGES) / image_id)
         views = {}
@@ -112,6 +112,12 @@ def show(image_ids: list[str], data_dir: str | Path, submission: str | Path | No
             views["image"] = np.zeros((len(LABELS), *SUBMISSION_SHAPE), np.uint8)
         written.append(save_png(Path(out_dir) / f"{Path(image_id).stem}.png", panels(image, views)))
     return written
+
+
+def image_file_name(image_id: str) -> str:
+    """An image id as a user types it: Kaggle's ids are file names, `03580aa.jpg`, and `03580aa`
+    means the same image."""
+    return image_id if Path(image_id).suffix else f"{image_id}.jpg"
 
 
 # ---------------------------------------------------------------------------------- EDA

@@ -1,4 +1,5 @@
 import shutil
+import warnings
 
 import cv2
 import numpy as np
@@ -12,12 +13,14 @@ from cloudseg.data import (
     build_transform,
     crop,
     load_folds,
+    label_strata,
     make_folds,
     pad,
     padded_shape,
     read_label_csv,
     read_train_csv,
     split_by_fold,
+    warn_if_unbalanced,
 )
 from cloudseg.synth import synthesize
 from cloudseg.task import LABELS
@@ -228,13 +231,74 @@ def test_every_image_in_exactly_one_fold_with_balanced_labels():
     assert (counts.max() - counts.min()).max() <= 3, counts  # a random split spreads by ~20
 
 
-def test_too_many_folds_for_the_label_sets_is_a_clear_error():
-    labels = random_label_table(24, seed=3)
-    most_common = (labels != "").to_numpy().dot([1, 2, 4, 8])
-    largest = int(np.bincount(most_common).max())
-    make_folds(labels, n_folds=largest)  # as many folds as the most common label set: fine
-    with pytest.raises(ValueError, match=f"no set of labels is shared by {largest + 1} images"):
-        make_folds(labels, n_folds=largest + 1)
+def kaggle_sized_label_table(seed=0):
+    """5,546 images like Kaggle's train.csv: each label on 40-55% of images, every image has one."""
+    rng = np.random.default_rng(seed)
+    present = rng.random((5546, 4)) < [0.50, 0.43, 0.53, 0.55]
+    unlabelled = ~present.any(1)
+    present[unlabelled, rng.integers(0, 4, unlabelled.sum())] = True
+    return pd.DataFrame(np.where(present, "1 1", ""), columns=list(LABELS), index=[f"{i}.jpg" for i in range(5546)])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kaggle_sized_folds_keep_every_label_share_within_half_a_percent(seed):
+    """Catches a split that balances label counts but not fold sizes (iterative-stratification's
+    MultilabelStratifiedKFold: folds ~70 images apart, shares ~3% apart), a random split (~4%),
+    and a warning on folds that are fine."""
+    labels = kaggle_sized_label_table(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        folds = make_folds(labels, n_folds=5, seed=42)
+    assert folds.value_counts().max() - folds.value_counts().min() <= 1
+    shares = labels.ne("").groupby(folds).mean()
+    assert (shares.max() - shares.min()).max() < 0.005, shares
+
+
+@pytest.mark.parametrize("n_images", [5, 12, 24])
+def test_small_datasets_are_split_with_a_warning_not_refused(n_images):
+    """Catches the old refusal (no label set shared by 5 of 12 images) and unequal fold sizes."""
+    labels = random_label_table(n_images, seed=3)
+    with pytest.warns(UserWarning, match=f"{n_images} images are too few for 5 well-balanced folds"):
+        folds = make_folds(labels, n_folds=5)
+    assert folds.index.equals(labels.index) and set(folds) == set(range(5))
+    assert folds.value_counts().max() - folds.value_counts().min() <= 1
+
+
+def test_fewer_images_than_folds_is_a_clear_error():
+    """Catches silently making empty folds."""
+    with pytest.raises(ValueError, match="cannot split 4 images into 5 folds"):
+        make_folds(random_label_table(4), n_folds=5)
+
+
+def label_rows(*sets):
+    """Images × labels booleans from label sets such as {"Fish", "Flower"}."""
+    return np.array([[label in labels for label in LABELS] for labels in sets])
+
+
+def test_rare_label_sets_join_the_most_similar_until_one_fills_every_fold():
+    """Bitmasks Fish=1 Flower=2 Gravel=4 Sugar=8, worked by hand. Catches merging by size alone
+    (Fish,Flower would join the 3 Sugar images: 1,1,8,7,8,8,8), the wrong tie-break (joining
+    the equally near but smaller Fish,Flower,Gravel: 8,8,7,7,8,8,8), and merging when a set
+    already fills every fold (which would change folds that split fine before)."""
+    fish, sugar = {"Fish"}, {"Sugar"}
+    present = label_rows(fish, fish, {"Fish", "Flower"}, {"Fish", "Flower", "Gravel"}, sugar, sugar, sugar)
+    # 4 folds: sets 3 and 7 are the rarest (1 image); 3 (the smaller) joins 1 (1 label apart like 7,
+    # but 2 images beat 7's 1); then 7 joins 1 (2 labels apart, 8 is 4 apart): Fish holds 4 images.
+    assert label_strata(present, n_folds=4).tolist() == [1, 1, 1, 1, 8, 8, 8]
+    assert label_strata(present, n_folds=3).tolist() == [1, 1, 3, 7, 8, 8, 8]  # Sugar already fills 3 folds
+
+
+def test_poor_balance_warning_names_the_worst_label():
+    """Catches warning on balanced folds, staying silent on unbalanced ones, and naming the wrong label or fold."""
+    fish, sugar = {"Fish"}, {"Sugar"}
+    folds = np.array([0, 0, 1, 1, 2, 2])
+    # Fish is on 50% of every fold; Sugar on 50%, 50%, 100% against 4/6 overall: fold 2 is 33 points off.
+    sugar_heavy_fold_2 = label_rows(fish, sugar, fish, sugar, {"Fish", "Sugar"}, sugar)
+    with pytest.warns(UserWarning, match="Sugar is on 100% of fold 2's images and 67% of all"):
+        warn_if_unbalanced(sugar_heavy_fold_2, folds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_unbalanced(label_rows(fish, sugar, fish, sugar, fish, sugar), folds)  # 50% everywhere
 
 
 def test_folds_are_deterministic_for_a_seed():

@@ -55,6 +55,18 @@ def test_show_names_a_test_image_missing_from_the_submission(tiny_data, tmp_path
     assert test_id in capsys.readouterr().err
 
 
+def test_show_takes_an_image_id_with_or_without_jpg(tiny_data, tmp_path):
+    """Catches `show 03580aa` failing (test_images/03580aa: image not found), `.jpg` added to ids
+    that have it, and a train image typed without `.jpg` losing its truth (drawn as a test image)."""
+    train_id = read_train_csv(tiny_data).index[0]
+    test_id = pd.read_csv(tiny_data / "sample_submission.csv")["Image_Label"].iloc[0].rsplit("_", 1)[0]
+    for typed, out in (([train_id, test_id], "full"), ([train_id[:-4], test_id[:-4]], "bare")):
+        assert main(["show", *typed, "--data-dir", str(tiny_data), "--out", str(tmp_path / out)]) == 0
+    for image_id in (train_id, test_id):
+        png = f"{image_id[:-4]}.png"
+        assert np.array_equal(read_rgb(tmp_path / "bare" / png), read_rgb(tmp_path / "full" / png)), image_id
+
+
 def test_training_writes_curves_and_tensorboard_events(tiny_data, tmp_path):
     from cloudseg.config import load_config
     from cloudseg.train import train
