@@ -23,21 +23,24 @@ from cloudseg.hardware import autocast_dtype, resolve_device, speed_switches
 from cloudseg.metrics import resize_masks
 from cloudseg.postprocess import quantize
 from cloudseg.predict import batch_probabilities, load_model
+from cloudseg.stopping import until_stopped
 from cloudseg.task import SUBMISSION_SHAPE
 
 OOF_FILE = "oof.npz"
 
 
 @torch.no_grad()
-def predict_oof(model, config: Config, device) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """(ids, uint8 probabilities, true masks) of the held-out fold of `config`, at 350×525."""
+def predict_oof(model, config: Config, device, *, stop_requested=None) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(ids, uint8 probabilities, true masks) of the held-out fold of `config`, at 350×525;
+    `stop_requested` is asked before every batch (StopRequested)."""
     _, valid_ids = fold_ids(config.data, config.seed)
     dataset = CloudDataset(config.data.dir, "train", valid_ids, None, config.data.image_size, config.data.on_bad_sample)
     loader = make_loader(dataset, config.data, config.predict.batch_size, device)
     dtype = autocast_dtype(config.train.precision, device)
     model.eval()
     ids, probs, truth = [], [], []
-    for batch in tqdm(readable(loader, []), desc="out-of-fold", unit="batch", disable=None):  # validation reported skips
+    batches = readable(until_stopped(loader, stop_requested), [])  # validation reported the skips
+    for batch in tqdm(batches, desc="out-of-fold", unit="batch", total=len(loader), disable=None):  # validation reported skips
         ids.extend(batch["image_id"])
         small = batch_probabilities([model], batch["image"].to(device), dtype, config.predict).submission
         probs.append(quantize(small.cpu().numpy()))

@@ -10,14 +10,11 @@ oof.npz, train.log, tb/ and (skip mode) skipped.csv.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import random
 import resource
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +41,7 @@ from cloudseg.model import CloudNet, build_model, prepare_for_training, train_mo
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
 from cloudseg.postprocess import postprocess
 from cloudseg.predict import batch_probabilities
+from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
 from cloudseg.task import LABELS
 from cloudseg.viz import plot_curves
 
@@ -116,14 +114,17 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
             stopped = train_epoch(run, epoch, progress, stop_requested)
             rng = rng_states()  # as the epoch's windows left them, before validation draws
             if stopped:
-                save_and_stop(run, epoch, progress, rng)
-            validation = validate(run.model, run.valid_loader, run.step.device, run.step.dtype, config,
-                                  progress.skipped_samples)
+                save_and_stop(run, epoch, progress, rng, f"after window {progress.windows}")
+            try:
+                validation = validate(run.model, run.valid_loader, run.step.device, run.step.dtype, config,
+                                      progress.skipped_samples, stop_requested=stop_requested)
+            except StopRequested:  # the epoch's windows are done: a resume validates it again
+                save_and_stop(run, epoch, progress, rng, "while validating")
             end_epoch(run, epoch, progress, validation, rng)
             progress = None
-    if distributed.is_main():
-        run.board.close()
-        write_best_oof(run)
+        if distributed.is_main():
+            run.board.close()
+            write_best_oof(run, stop_requested)
     distributed.stop()
     return pd.DataFrame(run.history)
 
@@ -263,13 +264,18 @@ def lr_schedule(optimizer, train_config: TrainConfig, total_steps: int) -> torch
 
 
 @torch.no_grad()
-def validate(model, loader, device, dtype, config: Config, skipped: list[Problem] | None = None) -> dict[str, float]:
+def validate(model, loader, device, dtype, config: Config, skipped: list[Problem] | None = None, *,
+             stop_requested=None) -> dict[str, float]:
     """Validation loss at native size and Kaggle Dice (mean and per class) at 350×525;
     unreadable samples (skip mode) go into `skipped`. On several processes each validates
-    its shard and the per-image results are gathered, so every rank returns the same."""
+    its shard and the per-image results are gathered, so every rank returns the same.
+    `stop_requested` is asked before every batch (StopRequested), on all processes together."""
     model.eval()
     losses, pair_dice = [], []
-    for batch in readable(loader, [] if skipped is None else skipped):
+    asked = None if stop_requested is None else lambda: distributed.total(stop_requested(), device)
+    largest_shard = math.ceil(len(loader.dataset) / distributed.world_size())
+    batches = until_stopped(loader, asked, count=math.ceil(largest_shard / loader.batch_size))
+    for batch in readable(batches, [] if skipped is None else skipped):
         images, masks = batch["image"].to(device), batch["mask"].to(device)
         probs = batch_probabilities([model], images, dtype, config.predict)
         losses += per_image_loss(torch.logit(probs.native, eps=1e-6), masks, config.train.dice_weight).tolist()
@@ -306,13 +312,12 @@ def restore(path: Path, **parts) -> tuple[int, list[dict], Progress | None]:
     return state["epoch"], state["metrics"], progress
 
 
-def save_and_stop(run: Run, epoch: int, progress: Progress, rng: dict) -> None:
+def save_and_stop(run: Run, epoch: int, progress: Progress, rng: dict, when: str) -> None:
     """A stop was asked for mid-epoch: save a resumable last.pt, then raise Interrupted."""
     progress.skipped_samples = every_rank_skipped(progress.skipped_samples)
     if distributed.is_main():
         save_checkpoint(run.dir / "last.pt", checkpoint_state(run, epoch, progress, rng))
-    raise Interrupted(f"stopped after window {progress.windows} of epoch {epoch + 1}; "
-                      f"continue with: cloudseg train --resume {run.dir}")
+    raise Interrupted(f"stopped {when} of epoch {epoch + 1}; continue with: cloudseg train --resume {run.dir}")
 
 
 def end_epoch(run: Run, epoch: int, progress: Progress, validation: dict, rng: dict) -> None:
@@ -330,40 +335,17 @@ def end_epoch(run: Run, epoch: int, progress: Progress, validation: dict, rng: d
         save_checkpoint(run.dir / "best.pt", state)
 
 
-def write_best_oof(run: Run) -> None:
-    """The held-out fold's probabilities from best.pt, for `cloudseg tune` (oof.npz)."""
+def write_best_oof(run: Run, stop_requested=None) -> None:
+    """The held-out fold's probabilities from best.pt, for `cloudseg tune` (oof.npz). A stop
+    asked for here leaves the finished run to `--resume`, which writes only this."""
     run.model.load_state_dict(load_checkpoint(run.dir / "best.pt")["model"])
-    write_oof(run.dir / OOF_FILE, *predict_oof(run.model, run.config, run.step.device))
-    log.info("wrote %s", run.dir / OOF_FILE)
-
-
-class Interrupted(Exception):
-    """Training stopped on SIGINT or SIGTERM after saving a resumable checkpoint."""
-
-
-@contextlib.contextmanager
-def stop_requests():
-    """Within: SIGINT and SIGTERM ask the loop to stop after the current window (a second
-    SIGINT stops at once). Yields a function that says whether a stop was asked for."""
-    requested = []
-
-    def ask_to_stop(signum, frame):
-        if requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if not requested:  # under torchrun the launcher passes the signal on too: say it once
-            log.warning("%s: finishing the current window, then saving a resumable checkpoint",
-                        signal.Signals(signum).name)
-        requested.append(signum)
-
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield lambda: False
-        return
-    previous = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield lambda: bool(requested)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        oof = predict_oof(run.model, run.config, run.step.device, stop_requested=stop_requested)
+    except StopRequested:
+        raise Interrupted(f"stopped while writing {OOF_FILE} (training is done); "
+                          f"continue with: cloudseg train --resume {run.dir}") from None
+    write_oof(run.dir / OOF_FILE, *oof)
+    log.info("wrote %s", run.dir / OOF_FILE)
 
 
 # ---------------------------------------------------------------------------------- records

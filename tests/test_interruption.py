@@ -1,9 +1,11 @@
 """SIGINT or SIGTERM finishes the window, saves a resumable checkpoint, and resume equals a straight run."""
 
 import os
+import re
 import shutil
 import signal
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -22,6 +24,21 @@ def signal_on_call(model, call, signum):
 
     def forward_then_signal(images):
         if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == call:
+                os.kill(os.getpid(), signum)
+        return forward(images)
+
+    model.forward = forward_then_signal
+    return model
+
+
+def signal_on_evaluation(model, call, signum=signal.SIGTERM):
+    """Deliver `signum` during the `call`-th forward without gradients (validation, out-of-fold)."""
+    forward, calls = model.forward, []
+
+    def forward_then_signal(images):
+        if not torch.is_grad_enabled():
             calls.append(1)
             if len(calls) == call:
                 os.kill(os.getpid(), signum)
@@ -84,3 +101,31 @@ def test_progress_round_trips_through_plain_types_and_reads_the_earlier_unversio
     assert Progress.from_dict(earlier) == progress
     with pytest.raises(ValueError, match="version 99"):
         Progress.from_dict({**raw, "version": 99})
+
+
+def test_a_stop_during_validation_or_the_out_of_fold_pass_is_honoured_within_a_batch(tiny_data, tmp_path,
+                                                                                     monkeypatch):
+    """Would catch: a stop that waits for validation (and a save and one more window) to
+    finish, a stop ignored in the final out-of-fold pass, and a checkpoint from which resume
+    does not give the straight run's model, metrics and oof.npz."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    options = [f"data.dir={data}", *TINY]  # 8 validation images in micro-batches of 2: 4 forwards per epoch
+    train(load_config("configs/demo.yaml", options), tmp_path / "straight")
+    real_build = train_module.build_model
+    stops = {"validation": (2, "stopped while validating of epoch 1"),
+             "oof": (9, "stopped while writing oof.npz (training is done)")}
+    for where, (call, message) in stops.items():
+        seen = []
+        monkeypatch.setattr(train_module, "build_model",
+                            lambda *a, **k: seen.append(signal_on_evaluation(real_build(*a, **k), call)) or seen[-1])
+        with pytest.raises(Interrupted, match=re.escape(message)):
+            train(load_config("configs/demo.yaml", options), tmp_path / where)
+        monkeypatch.setattr(train_module, "build_model", real_build)
+        assert main(["train", "--resume", str(tmp_path / where)]) == 0
+        straight, resumed = load_checkpoint(tmp_path / "straight/last.pt"), load_checkpoint(tmp_path / where / "last.pt")
+        for name, tensor in straight["model"].items():
+            assert torch.equal(tensor, resumed["model"][name]), (where, name)
+        a, b = pd.read_csv(tmp_path / "straight/metrics.csv"), pd.read_csv(tmp_path / where / "metrics.csv")
+        assert a["dice"].tolist() == b["dice"].tolist() and a["valid_loss"].tolist() == b["valid_loss"].tolist()
+        with np.load(tmp_path / "straight/oof.npz") as x, np.load(tmp_path / where / "oof.npz") as y:
+            assert np.array_equal(x["probs"], y["probs"]) and np.array_equal(x["image_ids"], y["image_ids"])
