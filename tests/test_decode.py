@@ -5,6 +5,8 @@ gpu-mode items decoded here must equal cpu-mode items.
 """
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,3 +156,10 @@ def test_cuda_decode_is_close_to_cpu_mode(tiny_data):
     assert decoded["image"].device.type == "cuda" and torch.equal(decoded["mask"], cpu["mask"])
     assert (decoded["image"].cpu().float() - cpu["image"].float()).abs().mean() < 2
 
+
+def test_loader_benchmark_prints_its_table():
+    out = subprocess.run([sys.executable, "benchmarks/loader_speed.py", "--height", "64", "--width", "96", "--n", "4",
+                          "--workers", "1", "--epochs", "1"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "| cpu decode (OpenCV in workers) |" in out and "| gpu mode, workers only (bytes + masks) |" in out
+    assert "unmeasured: no CUDA" in out or "| gpu decode (nvjpeg) |" in out
