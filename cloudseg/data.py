@@ -16,6 +16,7 @@ from sklearn.model_selection import StratifiedKFold
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from cloudseg import rle
+from cloudseg.decode import DECODE_MODES, apply_flips, check_flips_only, drawn_flips
 from cloudseg.files import atomic_path
 from cloudseg.task import (
     FOLDS_CSV,
@@ -126,6 +127,27 @@ def read_image(path: str | Path, expected_shape: tuple[int, int] | None = None) 
     RGB, so one that is not was damaged or swapped, and OpenCV would convert it silently.
     """
     path = Path(path)
+    data, _ = _checked_jpeg(path)
+    image = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    if image is None:
+        raise ValueError(f"{path}: corrupt JPEG, OpenCV cannot decode it")
+    _check_size(path, image.shape[:2], expected_shape)
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def read_jpeg_bytes(path: str | Path, expected_shape: tuple[int, int] | None = None) -> np.ndarray:
+    """A JPEG file's bytes (1-D uint8), checked as `read_image` checks them but not decoded:
+    the size comes from the frame header (`data.decode=gpu` decodes later, on the GPU)."""
+    path = Path(path)
+    data, frame = _checked_jpeg(path)
+    if frame is None:
+        raise ValueError(f"{path}: corrupt JPEG, no readable frame header")
+    _check_size(path, (frame.height, frame.width), expected_shape)
+    return data
+
+
+def _checked_jpeg(path: Path) -> tuple[np.ndarray, JpegFrame | None]:
+    """The file's bytes and frame header, after the checks that need no decoding."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: image not found")
     data = np.fromfile(path, dtype=np.uint8)
@@ -136,17 +158,15 @@ def read_image(path: str | Path, expected_shape: tuple[int, int] | None = None) 
     if b"\xff\xd9" not in data[-1024:].tobytes():
         raise ValueError(f"{path}: truncated JPEG (no end-of-image marker)")
     frame = jpeg_frame(data)
-    if frame is not None and frame.components != 3:  # None: no frame header; OpenCV says corrupt
+    if frame is not None and frame.components != 3:  # None: no frame header; the decoder says corrupt
         kind = {1: "grayscale", 4: "CMYK"}.get(frame.components, f"{frame.components}-channel")
         raise ValueError(f"{path}: {kind} JPEG; expected a 3-channel RGB image")
-    image = cv2.imdecode(data, cv2.IMREAD_COLOR)
-    if image is None:
-        raise ValueError(f"{path}: corrupt JPEG, OpenCV cannot decode it")
-    if expected_shape is not None and image.shape[:2] != tuple(expected_shape):
-        raise ValueError(
-            f"{path}: image is {image.shape[0]}x{image.shape[1]}, expected {expected_shape[0]}x{expected_shape[1]}"
-        )
-    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    return data, frame
+
+
+def _check_size(path: Path, shape: tuple[int, int], expected_shape: tuple[int, int] | None) -> None:
+    if expected_shape is not None and tuple(shape) != tuple(expected_shape):
+        raise ValueError(f"{path}: image is {shape[0]}x{shape[1]}, expected {expected_shape[0]}x{expected_shape[1]}")
 
 
 # Start-of-frame markers (baseline, progressive, lossless, ...); C4, C8 and CC are other segments.
@@ -214,14 +234,22 @@ class CloudDataset(Dataset):
     `on_bad_sample="raise"`: a bad CSV row or image raises an error naming the file or row.
     `"skip"`: bad CSV rows leave their images out (listed in `skipped`), and a bad image
     gives the item `{"image_id", "problem": Problem}`, which `collate` moves aside.
+
+    `decode="gpu"` (see cloudseg.decode): `image` is the file's JPEG bytes (1-D uint8 tensor,
+    header checked, not decoded) and `flips` the [horizontal, vertical] flips drawn for it,
+    already applied to `mask`; `decode_batch` decodes and flips the images. The transform
+    may then hold flips only.
     """
 
     def __init__(self, data_dir, split="train", image_ids=None, transform=None, image_size=None,
-                 on_bad_sample: str = "raise"):
+                 on_bad_sample: str = "raise", *, decode: str = "cpu"):
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if on_bad_sample not in ("raise", "skip"):
             raise ValueError(f"on_bad_sample must be 'raise' or 'skip', got {on_bad_sample!r}")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        self.decode = decode
         self.data_dir = Path(data_dir)
         self.split = split
         self.on_bad_sample = on_bad_sample
@@ -237,6 +265,16 @@ class CloudDataset(Dataset):
             raise KeyError(f"{len(unknown)} image id(s) not in the {split} split of {self.data_dir}, e.g. {unknown[0]}")
         self.transform = transform
         self.image_size = tuple(image_size) if image_size is not None else self._first_image_size()
+
+    @property
+    def transform(self):
+        return self._transform
+
+    @transform.setter
+    def transform(self, transform) -> None:
+        if self.decode == "gpu":  # refused when set, not at the first item inside a worker
+            check_flips_only(transform)
+        self._transform = transform
 
     def _first_image_size(self) -> tuple[int, int] | None:
         """(H, W) of the first image (in skip mode: the first readable one)."""
@@ -263,6 +301,8 @@ class CloudDataset(Dataset):
             if self.on_bad_sample == "raise":
                 raise
             return {"image_id": image_id, "problem": Problem(image_id, str(error))}
+        if self.decode == "gpu":
+            return self._encoded_item(image_id, image, masks)
         item = {"image_id": image_id}
         if masks is None:
             if self.transform is not None:
@@ -276,9 +316,18 @@ class CloudDataset(Dataset):
         item["image"] = _chw_tensor(image)
         return item
 
+    def _encoded_item(self, image_id: str, data: np.ndarray, masks: list[np.ndarray] | None) -> dict:
+        """gpu mode: the JPEG bytes, the flips drawn for them, and (train split) the masks so flipped."""
+        flips = drawn_flips(self.transform)
+        item = {"image_id": image_id, "image": torch.from_numpy(data), "flips": flips}
+        if masks is not None:
+            item["mask"] = apply_flips(torch.from_numpy(np.stack(masks)), flips)
+        return item
+
     def _read(self, image_id: str) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """The image and (train split) its four masks; errors name the file or row."""
-        image = read_image(self.image_dir / image_id, self.image_size)
+        """The image (gpu mode: its JPEG bytes) and (train split) its four masks; errors name the file or row."""
+        read = read_jpeg_bytes if self.decode == "gpu" else read_image
+        image = read(self.image_dir / image_id, self.image_size)
         if self.labels is None:
             return image, None
         return image, decode_masks(self.labels, image_id, self.image_size, self.data_dir / TRAIN_CSV)
@@ -296,10 +345,15 @@ def readable(batches, skipped: list[Problem]):
 def collate(items: list[dict]) -> dict:
     """A batch of the readable items; unreadable ones (skip mode) as Problems under "skipped".
 
-    A batch whose every item was unreadable has no "image" key.
+    A batch whose every item was unreadable has no "image" key. JPEG bytes (gpu decode
+    mode) vary in length, so they stay a list: `decode.decode_batch` decodes them.
     """
     good = [item for item in items if "problem" not in item]
-    batch = default_collate(good) if good else {}
+    if good and good[0]["image"].dim() == 1:
+        batch = default_collate([{key: value for key, value in item.items() if key != "image"} for item in good])
+        batch["image"] = [item["image"] for item in good]
+    else:
+        batch = default_collate(good) if good else {}
     batch["skipped"] = [item["problem"] for item in items if "problem" in item]
     return batch
 
