@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -293,7 +294,9 @@ class CloudDataset(Dataset):
         """`dataset[i]`, or `dataset[i, seed]` to draw the augmentation from `seed` (see EpochSampler)."""
         index, seed = key if isinstance(key, tuple) else (key, None)
         if seed is not None and self.transform is not None:
-            self.transform.set_random_seed(seed)
+            # One generator shared by every transform: set_random_seed would give each child the
+            # same seed, and flips drawn with p=0.5 would always come together.
+            self.transform.set_random_state(np.random.default_rng(seed), random.Random(seed))
         image_id = self.image_ids[index]
         try:
             image, masks = self._read(image_id)

@@ -31,6 +31,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from cloudseg import distributed
+from cloudseg.decode import decode_batch
 from cloudseg.hardware import autocast
 from cloudseg.loss import per_image_loss
 from cloudseg.model import norm_statistics, norm_statistics_kept, restore_norm_statistics
@@ -86,7 +87,7 @@ def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, 
     window_loss = torch.zeros((), device=ctx.device)
     for i, batch in enumerate(micro_batches):
         with distributed.gradient_sync(ctx.model, now=i == len(micro_batches) - 1):
-            images = batch["image"].to(ctx.device, non_blocking=True)
+            images = decode_batch(batch, ctx.device)["image"].to(ctx.device, non_blocking=True)
             masks = batch["mask"].to(ctx.device, non_blocking=True)
             with autocast(ctx.device, ctx.dtype):
                 logits = ctx.model(images)

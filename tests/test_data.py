@@ -322,3 +322,18 @@ def test_split_by_fold_holds_out_one_fold(tiny_data):
     assert set(train_ids) | set(valid_ids) == set(folds.index) and not set(train_ids) & set(valid_ids)
     with pytest.raises(ValueError, match="fold 7 does not exist"):
         split_by_fold(folds, 7)
+
+
+def test_the_seeded_flips_are_drawn_independently(tiny_data):
+    """Would catch: seeding every transform of the Compose with the same seed, which makes the
+    horizontal and vertical flips (both p=0.5) always fire together: two of the four flip
+    combinations would never be seen in training."""
+    plain = CloudDataset(tiny_data, "train")[0]["image"]
+    combinations = {(h, v): plain.flip([d for d, on in ((-1, h), (-2, v)) if on]) if h or v else plain
+                    for h in (False, True) for v in (False, True)}
+    dataset = CloudDataset(tiny_data, "train", transform=build_transform(hflip=0.5, vflip=0.5))
+    seen = set()
+    for seed in range(64):
+        image = dataset[0, seed]["image"]
+        seen |= {flips for flips, expected in combinations.items() if torch.equal(image, expected)}
+    assert seen == set(combinations)

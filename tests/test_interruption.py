@@ -129,3 +129,25 @@ def test_a_stop_during_validation_or_the_out_of_fold_pass_is_honoured_within_a_b
         assert a["dice"].tolist() == b["dice"].tolist() and a["valid_loss"].tolist() == b["valid_loss"].tolist()
         with np.load(tmp_path / "straight/oof.npz") as x, np.load(tmp_path / where / "oof.npz") as y:
             assert np.array_equal(x["probs"], y["probs"]) and np.array_equal(x["image_ids"], y["image_ids"])
+
+
+def test_fp16_resume_mid_epoch_restores_the_grad_scaler_and_continues_bit_exactly(tiny_data, tmp_path, monkeypatch):
+    """The pre-Ampere path (fp16 + GradScaler) on the CPU. Would catch: a checkpoint without
+    the scaler state (the resumed scaler would restart at 65536 with no growth count), and a
+    scaler restored after its first use."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    options = [f"data.dir={data}", *TINY, "train.precision=fp16", "train.device=cpu"]
+    train(load_config("configs/demo.yaml", options), tmp_path / "straight")
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model",
+                        lambda *a, **k: signal_on_call(real_build(*a, **k), 5, signal.SIGTERM))
+    with pytest.raises(Interrupted, match="after window 3 of epoch 1"):
+        train(load_config("configs/demo.yaml", options), tmp_path / "stopped")
+    monkeypatch.setattr(train_module, "build_model", real_build)
+    saved = load_checkpoint(tmp_path / "stopped/last.pt")["scaler"]
+    assert saved["_growth_tracker"] > 0 or saved["scale"] != 2.0**16  # not a fresh scaler
+    assert main(["train", "--resume", str(tmp_path / "stopped")]) == 0
+    straight, resumed = load_checkpoint(tmp_path / "straight/last.pt"), load_checkpoint(tmp_path / "stopped/last.pt")
+    assert straight["scaler"] == resumed["scaler"]
+    for name, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][name]), name

@@ -70,3 +70,19 @@ def test_k_bad_windows_in_a_row_stop_the_run(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setattr(train_module, "build_model", lambda *a, **k: poison(real_build(*a, **k), set(range(1, 100))))
     with pytest.raises(RuntimeError, match="2 windows in a row had a non-finite loss or gradient"):
         train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, "train.max_skipped_windows=2"]), tmp_path / "run")
+
+
+def test_fp16_overflow_in_several_micro_batches_halves_the_scale_once_per_window():
+    """Would catch: unscaling, stepping or updating the GradScaler per micro-batch (the scale
+    would halve once for each overflowing micro-batch, and a step could be taken with the
+    healthy micro-batches alone)."""
+    model, optimizer = model_and_sgd(dtype=torch.float32)
+    before = copy.deepcopy(model)
+    poison(model, {1, 3})  # two of the window's four micro-batches overflow
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    (window,) = list(windows(DataLoader(Images(8), batch_size=2), 4))
+    step = train_step(StepContext(model, optimizer, scaler, CPU, torch.float16, 1.0, 1.0), window)
+    assert step.skipped and scaler.get_scale() == 2.0**7
+    assert_same_parameters(model, before, tol=0)
+    healthy = train_step(StepContext(model, optimizer, scaler, CPU, torch.float16, 1.0, 1.0), window)
+    assert not healthy.skipped and scaler.get_scale() == 2.0**8  # grows back once (growth_interval=1)
