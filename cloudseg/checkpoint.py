@@ -1,7 +1,35 @@
-"""A checkpoint is one dict: model, optimizer, scheduler, scaler, epoch, step, RNG states, config, metrics."""
+"""Checkpoints: what one may hold, and what loading one promises.
+
+A cloudseg checkpoint is one dict written by `torch.save`: the model, optimizer, scheduler and
+scaler state dicts (and later possibly an `ema` state dict), `epoch`, `step`, `rng` (the Python,
+NumPy, torch and CUDA random states, see `rng_states`), `config` (a JSON-able dict), `metrics`
+(a list of dicts of numbers) and `progress` (how far into an epoch a stopped run got, or None).
+
+Every value in it is a tensor or a plain Python value: None, bool, int, float, str, bytes, and
+lists, tuples and dicts of these (a state dict's OrderedDict included). `save_checkpoint` turns
+NumPy scalars into Python numbers and NamedTuples into lists (a `cloudseg.data.Problem` is saved
+as `[image_id, message]`: whoever reads `progress` back rebuilds it), and refuses anything else
+with a TypeError naming the file and the key, so whatever it writes loads under weights_only=True.
+The random states are stored as lists (see `plain_rng`) and restore every stream exactly.
+
+Loading promises that the file's contents cannot run code: `load_checkpoint` uses
+`torch.load(weights_only=True)`, which rebuilds only tensors and plain values and refuses any other
+object before creating it (a pickle's `__reduce__` is never called). Such a file is refused with a
+one-line ValueError (an `UnsafeCheckpoint`) naming the file and, where this torch can list them
+without loading, the functions and classes it would have imported. The promise is torch's:
+weights_only had known bypasses before torch 2.6 (CVE-2025-32434) and 2.10 (CVE-2026-24747).
+
+Checkpoints written by cloudseg before this format (NumPy arrays in `rng`, NumPy floats in
+`metrics`, Problems in `progress`) are refused the same way, with the command that converts them:
+`cloudseg convert-checkpoint OLD --trust`. That loads the file unsafely, running any code it holds,
+so it is for files the user wrote themselves; without --trust it explains this and stops.
+"""
 
 from __future__ import annotations
 
+import collections
+import copy
+import pickle
 import random
 from pathlib import Path
 
@@ -11,38 +39,139 @@ import torch
 from cloudseg.files import atomic_path
 
 REQUIRED_KEYS = ("model", "config", "epoch", "step")
+PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+# What loading a checkpoint of an older cloudseg needs beyond plain values: NumPy arrays and scalars
+# (the RNG states, metrics) and the Problems of an interrupted epoch.
+OLD_FORMAT_CLASSES = ("cloudseg.data.Problem",)
+
+
+class UnsafeCheckpoint(ValueError):
+    """A file that torch.load(weights_only=True) refused: loading it could run code."""
 
 
 def save_checkpoint(path: str | Path, state: dict) -> None:
-    """torch.save through a temporary file, so a crash never leaves a half-written checkpoint."""
+    """torch.save of `state` in plain values (see the module docstring) through a temporary file,
+    so a crash never leaves a half-written checkpoint."""
+    state = plain(state, f"{path}: state")
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
 
 
+def plain(value, where: str = "value"):
+    """`value` with NumPy scalars as Python numbers and NamedTuples as lists, so that it loads
+    under weights_only=True; a TypeError naming `where` (a key path) for any other object."""
+    if isinstance(value, torch.Tensor) or type(value) in PLAIN_SCALARS:
+        return value
+    if isinstance(value, np.generic) and type(value.item()) in PLAIN_SCALARS:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        items = [plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        return tuple(items) if type(value) is tuple else items  # a NamedTuple becomes a list
+    if type(value) in (dict, collections.OrderedDict):
+        converted = copy.copy(value)  # a state dict's OrderedDict keeps its _metadata (module versions)
+        for key, item in value.items():
+            if type(key) not in PLAIN_SCALARS:
+                raise TypeError(f"{where} has a key of type {type(key).__name__}: checkpoint keys are plain values")
+            converted[key] = plain(item, f"{where}[{key!r}]")
+        return converted
+    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}: a checkpoint holds only "
+                    "tensors, None, bool, int, float, str, bytes, and lists, tuples and dicts of them")
+
+
 def load_checkpoint(path: str | Path) -> dict:
-    """The state dict saved by `save_checkpoint`, on CPU; errors name the file."""
+    """The state dict saved by `save_checkpoint`, on CPU, loaded without running any code the
+    file may hold; errors are one line naming the file."""
+    return checked(torch_load(path, weights_only=True), Path(path))
+
+
+def torch_load(path: str | Path, *, weights_only: bool):
+    """torch.load on CPU; errors are one line naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: checkpoint not found")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as error:
-        raise ValueError(f"{path}: not a readable checkpoint ({type(error).__name__}: {error})") from None
+        if weights_only and isinstance(error, pickle.UnpicklingError):  # an object it will not build
+            raise UnsafeCheckpoint(refusal(path)) from None
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"{path}: not a readable checkpoint ({type(error).__name__}: {first_line})") from None
+
+
+def checked(state, path: Path) -> dict:
+    """`state` if it is a cloudseg checkpoint's dict, else a one-line error naming `path`."""
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         raise ValueError(f"{path}: not a cloudseg checkpoint (expected keys {', '.join(REQUIRED_KEYS)})")
     return state
 
 
+def refusal(path: Path) -> str:
+    """Why `path` did not load under weights_only=True, in one line: the code it would import,
+    and for a checkpoint of an older cloudseg, how to convert it."""
+    needed = unsafe_imports(path)
+    if needed and all(name.startswith("numpy.") or name in OLD_FORMAT_CLASSES for name in needed):
+        return (f"{path}: a checkpoint of an older cloudseg (it holds NumPy arrays), which loads only by running "
+                f"the file's code; if you wrote it yourself, convert it: cloudseg convert-checkpoint {path} --trust")
+    what = f"it would import {', '.join(needed)}" if needed else "it holds objects other than tensors and plain values"
+    return f"{path}: refused: loading it could run code ({what}); a cloudseg checkpoint holds only tensors and plain values"
+
+
+def unsafe_imports(path: Path) -> list[str]:
+    """The functions and classes `path` would import to load, read without loading it ([] when
+    this torch cannot tell, or the file is not a torch.save zip)."""
+    find = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # absent from older torch
+    try:
+        return sorted(find(path)) if find else []
+    except Exception:  # not a zip checkpoint: the caller reports the refusal without names
+        return []
+
+
+def convert_checkpoint(old: str | Path, out: str | Path | None = None, *, trust: bool = False) -> Path:
+    """Rewrite a checkpoint of an older cloudseg (NumPy arrays, Problems inside) in the safe format,
+    at `out` (default: in place). Loading it runs any code the file holds, hence `trust`: the user's
+    word that they wrote the file. A file that already loads safely needs no trust."""
+    old = Path(old)
+    out = Path(out) if out else old
+    try:
+        state = load_checkpoint(old)
+    except UnsafeCheckpoint:
+        if not trust:
+            needed = unsafe_imports(old)
+            what = f" (it would import {', '.join(needed)})" if needed else ""
+            raise ValueError(f"{old}: converting loads the file with pickle, which runs any code it holds{what}; "
+                             "if you wrote it yourself, rerun with --trust") from None
+        state = checked(torch_load(old, weights_only=False), old)
+        state["rng"] = plain_rng(state["rng"])
+    save_checkpoint(out, state)
+    return out
+
+
+# ---------------------------------------------------------------------------------- random states
+
+
 def rng_states() -> dict:
+    """This process's random states (Python, NumPy, torch, and CUDA when present) in plain values."""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
+    return plain_rng(states)
+
+
+def plain_rng(states: dict) -> dict:
+    """States as the libraries give them (Python's a tuple of ints, NumPy's a tuple holding a
+    uint32 array) as lists, exactly: `restore_rng_states` turns them back."""
+    version, internal, gauss_next = states["python"]
+    algorithm, key, position, has_gauss, cached_gaussian = states["numpy"]
+    return {**states, "python": [version, list(internal), gauss_next],
+            "numpy": [algorithm, np.asarray(key).tolist(), int(position), int(has_gauss), float(cached_gaussian)]}
 
 
 def restore_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    """Set this process's random states to `states` (from `rng_states`)."""
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    algorithm, key, position, has_gauss, cached_gaussian = states["numpy"]
+    np.random.set_state((algorithm, np.array(key, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])

@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     oof.add_argument("--out", help="default: oof.npz beside the checkpoint")
     oof.set_defaults(run=run_oof)
 
+    convert = commands.add_parser("convert-checkpoint", help="rewrite a checkpoint of an older cloudseg so that it "
+                                  "loads without running code (this once runs the file's code: --trust)")
+    convert.add_argument("checkpoint", metavar="OLD")
+    convert.add_argument("--out", metavar="NEW", help="default: replace OLD")
+    convert.add_argument("--trust", action="store_true",
+                         help="I wrote OLD myself: loading it may run any code it holds")
+    convert.set_defaults(run=run_convert_checkpoint)
+
     tune = commands.add_parser("tune", help="search per-class threshold, min area and empty-mask gate on OOF probabilities")
     tune.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs with oof.npz (e.g. every fold)")
     tune.add_argument("--out", help="default: postprocess.json beside the first run directory")
@@ -217,6 +225,12 @@ def run_oof(args) -> None:
     from cloudseg.oof import oof_from_checkpoint
 
     print(f"wrote {oof_from_checkpoint(args.checkpoint, args.out)}")
+
+
+def run_convert_checkpoint(args) -> None:
+    from cloudseg.checkpoint import convert_checkpoint
+
+    print(f"wrote {convert_checkpoint(args.checkpoint, args.out, trust=args.trust)}")
 
 
 def run_tune(args) -> None:

@@ -3,25 +3,63 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import tempfile
+import secrets
 from pathlib import Path
+
+# Errors of a filesystem that cannot fsync a directory (some FUSE and network mounts).
+NO_DIRECTORY_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
-    """Yield a temporary path beside `path`; on success rename it over `path`, else delete it.
+    """Yield a temporary path beside `path` for the caller to write; on success rename it over
+    `path`, else delete it.
 
     The rename is atomic on POSIX, so an interrupted writer leaves the old file (or none),
-    never a partial one.
+    never a partial one. The file is fsynced before the rename and its directory after it, so
+    a power loss cannot leave an empty file under the new name either. The file gets the mode
+    a plain open() would give it (0666 less the umask).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = new_hidden_file(path)
     try:
-        yield Path(tmp)
+        yield tmp
+        fsync(tmp)  # the caller has written and closed it: its data reach the disk before its name
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    fsync_directory(path.parent)
+
+
+def new_hidden_file(path: Path) -> Path:
+    """An empty file `.NAME.RANDOM.tmp` beside `path`, created as open() creates files.
+
+    Created with mode 0666, the kernel applies the umask (and a directory's default ACL) itself,
+    exactly as for open(): reading the umask would mean os.umask(), which sets it for every
+    thread at once. O_EXCL never reuses an existing file; with 64 random bits a clash is not
+    expected, and would be an error rather than an overwrite.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return tmp
+
+
+def fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    descriptor = os.open(path, flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable, where the filesystem can."""
+    try:
+        fsync(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as error:
+        if error.errno not in NO_DIRECTORY_SYNC:
+            raise

@@ -1,6 +1,9 @@
 """A writer killed or interrupted midway leaves the old file (or none), never part of a new one."""
 
+import errno
+import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -11,7 +14,7 @@ from cloudseg.files import atomic_path
 from cloudseg.predict import write_submission
 from cloudseg.task import LABELS
 
-# Writes 1 MiB chunks through atomic_path forever, with the CLI's signal handling,, saying when the first one is on disk.
+# Writes 1 MiB chunks through atomic_path forever, with the CLI's signal handling, saying when the first one is on disk.
 ENDLESS_WRITER = """
 import sys, time
 from cloudseg.cli import exit_on_sigterm
@@ -68,3 +71,60 @@ def test_atomic_path_is_the_target_only_after_success(tmp_path):
             assert not target.exists()
             raise RuntimeError("failed midway")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o027, 0o640)])
+def test_a_written_file_has_the_mode_open_would_give_it(tmp_path, umask, mode):
+    """Catches mkstemp's 0600 surviving the rename (umask 022, 027) and a fixed chmod 0644 (077)."""
+    previous = os.umask(umask)
+    try:
+        with atomic_path(tmp_path / "folds.csv") as tmp:
+            tmp.write_text("image_id,fold\n")
+        with open(tmp_path / "plain.csv", "w") as file:  # the reference: what open() gives
+            file.write("image_id,fold\n")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "folds.csv").st_mode) == mode
+    assert stat.S_IMODE(os.stat(tmp_path / "plain.csv").st_mode) == mode
+
+
+def test_the_file_is_synced_before_the_rename_and_its_folder_after(tmp_path, monkeypatch):
+    """Catches no fsync, an fsync before the caller has written (size 0), an fsync after the
+    rename (the new name could point at unwritten data), and a missing folder fsync."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def recording_fsync(descriptor):
+        status = os.fstat(descriptor)
+        events.append(("fsync", "folder" if stat.S_ISDIR(status.st_mode) else "file", status.st_ino, status.st_size))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", lambda *paths: events.append(("replace",)) or real_replace(*paths))
+    target = tmp_path / "run" / "metrics.csv"
+    with atomic_path(target) as tmp:
+        tmp.write_text("epoch,dice\n1,0.5\n")
+    file_inode, folder_inode = os.stat(target).st_ino, os.stat(target.parent).st_ino
+    folder_size = os.stat(target.parent).st_size
+    assert events == [("fsync", "file", file_inode, len("epoch,dice\n1,0.5\n")), ("replace",),
+                      ("fsync", "folder", folder_inode, folder_size)]
+
+
+def test_a_filesystem_that_cannot_sync_folders_still_gets_the_file(tmp_path, monkeypatch):
+    """Some FUSE and network mounts refuse fsync on a folder (EINVAL): the rename has happened,
+    so the write must not fail. Catches treating that error as a failed write, and swallowing
+    every error (EIO is still raised)."""
+    real_fsync = os.fsync
+
+    def folder_sync_fails(descriptor, error=errno.EINVAL):
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(error, os.strerror(error))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", folder_sync_fails)
+    with atomic_path(tmp_path / "submission.csv") as tmp:
+        tmp.write_text("Image_Label,EncodedPixels\n")
+    assert (tmp_path / "submission.csv").read_text() == "Image_Label,EncodedPixels\n"
+    monkeypatch.setattr(os, "fsync", lambda descriptor: folder_sync_fails(descriptor, errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        with atomic_path(tmp_path / "folds.csv") as tmp:
+            tmp.write_text("image_id,fold\n")
