@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--checkpoint", action="append", required=True, help="best.pt or last.pt; repeat to ensemble")
     predict.add_argument("--data-dir", help="Kaggle-layout folder (default: the data the checkpoint trained on)")
     predict.add_argument("--out", default="submission.csv")
-    predict.add_argument("--postprocess", metavar="FILE", help="postprocess.json from cloudseg tune")
+    predict.add_argument("--postprocess", metavar="FILE",
+                         help="the rule to apply: a postprocess.json, or none for the config's rule (default: "
+                              "the run's own postprocess.json; for the folds of one CV directory, its pooled one)")
     predict.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. predict.threshold=0.45")
     predict.set_defaults(run=run_predict)
 

@@ -24,10 +24,11 @@ from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
 from cloudseg.model import CloudNet, build_model
-from cloudseg.postprocess import RULE_KEYS, postprocess, read_rule_file
+from cloudseg.postprocess import RULE_KEYS, TOP_K, postprocess, read_rule_file
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
 
 log = logging.getLogger("cloudseg")
+RULE_FILE = "postprocess.json"  # every run writes its tuned rule under this name; make cv the pooled one
 
 
 # Test-time augmentation: the flips (dims of an N×C×H×W batch) whose predictions are averaged.
@@ -91,16 +92,19 @@ def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config
 
 def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: list[str] = (),
             postprocess_file: str | None = None) -> Path:
-    """Average the checkpoints' probabilities at 350×525, post-process (with the tuned rule of
-    `postprocess_file` when given), write a checked submission."""
+    """Average the checkpoints' probabilities at 350×525, post-process by the tuned rule (see
+    `tuned_rule`), write a checked submission. `overrides` (predict.threshold=...) come last."""
+    rule_file = tuned_rule(checkpoints, postprocess_file)
     device = resolve_device("auto")
     speed_switches(device)
     loaded = [load_model(path, device) for path in checkpoints]
     models = [model for model, _ in loaded]
     raw = loaded[0][1].model_dump(mode="json")
-    if postprocess_file:
-        rule = read_rule_file(postprocess_file)
+    top_k = TOP_K
+    if rule_file:
+        rule = read_rule_file(rule_file)
         raw["predict"].update({key: rule[key] for key in RULE_KEYS})
+        top_k = rule.get("top_k", TOP_K)
     config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
     data_dir = data_dir or config.data.dir
     dtype = autocast_dtype(config.train.precision, device)
@@ -110,12 +114,38 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
                       unit="batch", disable=None):
         images = batch["image"].to(device, non_blocking=True)
         probs = batch_probabilities(models, images, dtype, config.predict).submission
-        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate)
+        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate,
+                            top_k)
         for image_id, image_masks in zip(batch["image_id"], masks):
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
     path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)
     log.info("wrote %s (%d rows) from %d checkpoint(s)", path, len(rows), len(models))
     return path
+
+
+def tuned_rule(checkpoints: list[str], postprocess_file: str | None) -> Path | None:
+    """The postprocess.json that prediction applies: `postprocess_file` when given ("none":
+    none, the checkpoints' own config rule); else the one beside a single checkpoint (every run
+    writes its own); else, for the folds of one CV directory (CV/fold*/best.pt), the pooled
+    rule CV/postprocess.json of `make cv`. Says which in one log line."""
+    if postprocess_file == "none":
+        log.info("post-processing: the checkpoint's config rule (--postprocess none)")
+        return None
+    if postprocess_file:
+        return Path(postprocess_file)
+    parents = {Path(checkpoint).resolve().parent for checkpoint in checkpoints}
+    beside = [parent / RULE_FILE for parent in parents]
+    candidates = beside if len(parents) == 1 else [parent.parent / RULE_FILE for parent in parents]
+    if len(set(candidates)) == 1 and candidates[0].is_file():
+        log.info("post-processing: the tuned rule of %s (--postprocess none turns it off)", candidates[0])
+        return candidates[0]
+    if len(parents) == 1:
+        log.warning("post-processing: no %s beside %s; the config's rule, not tuned (run cloudseg tune)",
+                    RULE_FILE, checkpoints[0])
+        return None
+    raise ValueError(f"{len(checkpoints)} checkpoints from different runs and no --postprocess: name the rule "
+                     f"(e.g. --postprocess CV_DIR/{RULE_FILE} from cloudseg tune over their runs), "
+                     "or --postprocess none for the config's")
 
 
 def write_submission(rows: list[tuple[str, str]], sample_path: Path, out: str | Path) -> Path:

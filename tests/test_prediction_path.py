@@ -1,0 +1,126 @@
+"""predict end to end with models whose outputs are known: a perfect model scores exactly 1,
+an ensemble is the average of its members."""
+
+import logging
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from cloudseg import predict as predict_module
+from cloudseg import rle
+from cloudseg.config import load_config
+from cloudseg.data import CloudDataset, decode_masks, read_label_csv
+from cloudseg.metrics import evaluate_submission, resize_probs
+from cloudseg.postprocess import postprocess
+from cloudseg.synth import TEST_SOLUTION_CSV, synthesize
+from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SUBMISSION_SHAPE, image_label
+
+CONFIG = load_config("configs/demo.yaml", ["data.num_workers=0", "data.image_size=[350,525]"])
+
+
+@pytest.fixture(scope="module")
+def submission_sized_data(tmp_path_factory):
+    """Test images at exactly 350×525, so the truth is the model's own output size."""
+    return synthesize(tmp_path_factory.mktemp("sub"), n_train=4, n_test=5, height=350, width=525, seed=7)
+
+
+class TruthModel(nn.Module):
+    """Logits ±20 from a table of masks keyed by the image's bytes: a perfect model."""
+
+    def __init__(self, masks_by_image: dict[bytes, np.ndarray]):
+        super().__init__()
+        self.masks_by_image = masks_by_image
+
+    def forward(self, images):
+        masks = np.stack([self.masks_by_image[image.numpy().tobytes()] for image in images])
+        return torch.from_numpy(masks).float() * 40 - 20
+
+
+def truth_model(data_dir, shuffle_ids=False):
+    """A TruthModel for the test images; with `shuffle_ids`, each image gets its neighbour's masks."""
+    truth = read_label_csv(data_dir / TEST_SOLUTION_CSV)
+    dataset = CloudDataset(data_dir, "test")
+    ids = [dataset[i]["image_id"] for i in range(len(dataset))]
+    owners = ids[1:] + ids[:1] if shuffle_ids else ids
+    return TruthModel({dataset[i]["image"].numpy().tobytes(): np.stack(decode_masks(truth, owner, SUBMISSION_SHAPE, "t"))
+                       for i, owner in enumerate(owners)})
+
+
+def predict_with(models, monkeypatch, data_dir, out, overrides=()):
+    loaded = iter(models)
+    monkeypatch.setattr(predict_module, "load_model", lambda path, device: (next(loaded).eval(), CONFIG))
+    return predict_module.predict([f"model{i}.pt" for i in range(len(models))], str(data_dir), str(out),
+                                  list(overrides), postprocess_file="none")
+
+
+def test_a_model_that_returns_the_true_masks_scores_exactly_one(submission_sized_data, tmp_path, monkeypatch):
+    """Would catch: rows written under the wrong image or label, a transposed RLE, masks
+    resized or thresholded off by a pixel, and a scorer that forgives any of these."""
+    path = predict_with([truth_model(submission_sized_data)], monkeypatch, submission_sized_data, tmp_path / "s.csv")
+    assert evaluate_submission(path, submission_sized_data / TEST_SOLUTION_CSV)["dice"] == 1.0
+
+
+def test_the_true_masks_under_the_wrong_ids_do_not(submission_sized_data, tmp_path, monkeypatch):
+    model = truth_model(submission_sized_data, shuffle_ids=True)
+    path = predict_with([model], monkeypatch, submission_sized_data, tmp_path / "s.csv")
+    assert evaluate_submission(path, submission_sized_data / TEST_SOLUTION_CSV)["dice"] < 0.9
+
+
+class Noise(nn.Module):
+    """Smooth random logits, a function of the image alone (fixed by `seed`)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.conv = nn.Conv2d(3, len(LABELS), 9, padding=4)
+        torch.manual_seed(seed)
+        nn.init.normal_(self.conv.weight, std=0.05)
+
+    def forward(self, images):
+        return self.conv(images.float() / 255 - 0.5) * 8
+
+
+def test_an_ensemble_is_the_average_of_its_members(submission_sized_data, tmp_path, monkeypatch):
+    """Would catch: predict using only the first (or last) checkpoint, or combining the
+    members by anything but the mean of their probabilities (max, mean of masks, logits)."""
+    members = [Noise(1), Noise(2)]
+    path = predict_with(members, monkeypatch, submission_sized_data, tmp_path / "both.csv")
+    got = read_label_csv(path)
+    dataset = CloudDataset(submission_sized_data, "test")
+    rule = CONFIG.predict
+    for i in range(len(dataset)):
+        item = dataset[i]
+        with torch.no_grad():
+            probs = [member(item["image"][None]).sigmoid() for member in members]
+        expected = postprocess(resize_probs(((probs[0] + probs[1]) / 2)).numpy(), rule.threshold, rule.min_area,
+                               rule.gate)[0]
+        alone = postprocess(resize_probs(probs[0]).numpy(), rule.threshold, rule.min_area, rule.gate)[0]
+        decoded = np.stack(decode_masks(got, item["image_id"], SUBMISSION_SHAPE, path))
+        assert np.array_equal(decoded, expected), item["image_id"]
+        assert not np.array_equal(alone, expected)  # the members differ: the test can tell
+
+
+def test_which_rule_predict_applies(tmp_path, caplog):
+    """Would catch: ignoring the run's own postprocess.json, using it after `--postprocess none`,
+    taking one fold's rule for an ensemble of folds instead of the pooled one, and silently
+    picking some rule for checkpoints of unrelated runs."""
+    from cloudseg.predict import RULE_FILE, tuned_rule
+
+    caplog.set_level(logging.INFO, logger="cloudseg")
+    for run in ("cv/fold0", "cv/fold1", "alone", "untuned"):
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "best.pt").touch()
+    for place in ("cv", "cv/fold0", "cv/fold1", "alone"):
+        (tmp_path / place / RULE_FILE).write_text("{}")
+    folds = [str(tmp_path / "cv/fold0/best.pt"), str(tmp_path / "cv/fold1/best.pt")]
+    assert tuned_rule([str(tmp_path / "alone/best.pt")], None) == (tmp_path / "alone" / RULE_FILE).resolve()
+    assert "the tuned rule of" in caplog.text and "--postprocess none turns it off" in caplog.text
+    assert tuned_rule([str(tmp_path / "alone/best.pt")], "none") is None
+    assert str(tuned_rule([str(tmp_path / "alone/best.pt")], "my.json")) == "my.json"
+    assert tuned_rule(folds, None) == (tmp_path / "cv" / RULE_FILE).resolve()  # the pooled rule of make cv
+    assert tuned_rule([str(tmp_path / "untuned/best.pt")], None) is None  # with a warning: not tuned
+    assert "not tuned" in caplog.text
+    with pytest.raises(ValueError, match="checkpoints from different runs and no --postprocess"):
+        tuned_rule([str(tmp_path / "alone/best.pt"), str(tmp_path / "untuned/best.pt")], None)
