@@ -139,9 +139,10 @@ def kept_areas(probs8: np.ndarray, truth: np.ndarray, levels: np.ndarray, min_ar
     for i in range(0, len(probs8), CHUNK):
         level_image, chunk_truth = _lookup(probs8[i : i + CHUNK], level_of), truth[i : i + CHUNK] != 0
         textured = _is_textured(level_image, len(levels))
+        smooth = slice(None) if not textured.any() else ~textured
         if not textured.all():
-            sums = _run_areas(level_image[~textured], chunk_truth[~textured], len(levels), min_areas)
-            pred_area[i : i + CHUNK][~textured], overlap[i : i + CHUNK][~textured] = sums
+            sums = _run_areas(level_image[smooth], chunk_truth[smooth], len(levels), min_areas)
+            pred_area[i : i + CHUNK][smooth], overlap[i : i + CHUNK][smooth] = sums
         for j in np.flatnonzero(textured):
             pred_area[i + j], overlap[i + j] = _labelled_areas(level_image[j], chunk_truth[j], len(levels), min_areas)
     return pred_area, overlap
@@ -187,11 +188,12 @@ def _run_areas(level_image, truth, n_levels, min_areas):
     padded[:, :height, 1:-1] = level_image
     level, start, stop = _runs(padded)  # flat positions in `padded`
     count, component = _components(level, start, stop, padded.size, width + 2)
-    row_truth = np.zeros((n, height + 1, width + 2), np.int32)  # truth pixels left of each position
-    np.cumsum(truth, axis=2, dtype=np.int32, out=row_truth[:, :height, 2:])
-    row_truth = row_truth.ravel()
+    padded_truth = np.zeros(padded.shape, bool)
+    padded_truth[:, :height, 1:-1] = truth
+    truth_before = np.zeros(padded.size + 1, np.int32)  # truth pixels before each position
+    np.cumsum(padded_truth, out=truth_before[1:])
     area = np.bincount(component, stop - start, count)
-    hits = np.bincount(component, row_truth[stop] - row_truth[start], count)
+    hits = np.bincount(component, truth_before[stop] - truth_before[start], count)
     cell = np.zeros(count, np.int64)  # (image, level) of each component
     cell[component] = start // padded[0].size * n_levels + level - 1
     keep = area[:, None] >= min_areas[None, :]  # (components, A)
@@ -205,14 +207,21 @@ def _runs(padded):
     """Horizontal runs of {padded >= k} for every k >= 1: (k, start, stop) with flat positions,
     stop exclusive, sorted by k then position."""
     flat = padded.ravel()
-    step = np.flatnonzero(flat[1:] != flat[:-1])  # between flat[step] and flat[step + 1]
-    before, after = flat[step].astype(np.int16), flat[step + 1].astype(np.int16)
-    # A step from level a to level b starts (a < b) or ends (a > b) one run of each level in between.
-    owner, offset = _expand(np.abs(after - before))
-    level = np.minimum(before, after)[owner] + 1 + offset
-    order = np.argsort(level, kind="stable")  # steps are already in position order
-    rising, level, position = (after > before)[owner][order], level[order], step[owner][order] + 1
-    return level[rising], position[rising], position[~rising]
+    step = np.flatnonzero(flat[1:] != flat[:-1]) + 1  # flat[step] differs from the value before it
+    before, after = flat[step - 1], flat[step]
+    rising = after > before
+    # A step from level a up to b starts a run of each level a+1..b; a step down from b to a ends them.
+    level, start = _levels_between(before[rising], after[rising], step[rising])
+    _, stop = _levels_between(after[~rising], before[~rising], step[~rising])
+    return level, start, stop
+
+
+def _levels_between(low, high, position):
+    """(k, position) for each k in low+1..high of each step, sorted by k then position."""
+    owner, offset = _expand(high.astype(np.int64) - low)
+    level = (low[owner] + 1 + offset).astype(np.int16)  # int16 sorts by radix
+    order = np.argsort(level, kind="stable")  # positions are already sorted
+    return level[order], position[owner[order]]
 
 
 def _components(level, start, stop, level_stride, row_stride):
