@@ -152,6 +152,8 @@ def _is_textured(level_image, n_levels) -> np.ndarray:
     """Which images have so many level steps along their rows (noise-like maps) that labelling each
     level's mask with OpenCV is faster than the runs: measured crossover, n_levels / 25 per pixel."""
     rows = level_image.reshape(-1, level_image.shape[-1])
+    if rows.shape[1] < 2:
+        return np.zeros(len(level_image), bool)  # nothing to compare (and OpenCV returns None)
     changes = cv2.absdiff(rows[:, 1:], rows[:, :-1]).reshape(len(level_image), -1)
     return changes.sum(1, dtype=np.int64) > changes.shape[1] * n_levels / 25
 
@@ -219,7 +221,7 @@ def _runs(padded):
 def _levels_between(low, high, position):
     """(k, position) for each k in low+1..high of each step, sorted by k then position."""
     owner, offset = _expand(high.astype(np.int64) - low)
-    level = (low[owner] + 1 + offset).astype(np.int16)  # int16 sorts by radix
+    level = (offset + 1 + low[owner]).astype(np.int16)  # int16 sorts by radix
     order = np.argsort(level, kind="stable")  # positions are already sorted
     return level[order], position[owner[order]]
 

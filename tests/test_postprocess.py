@@ -7,7 +7,7 @@ import cv2
 import numpy as np
 import pytest
 
-from cloudseg.postprocess import CHUNK, TOP_K, grid_scores, postprocess, read_rule_file
+from cloudseg.postprocess import CHUNK, TOP_K, _is_textured, grid_scores, postprocess, read_rule_file
 
 # Unsorted, a duplicate, one exactly on a uint8 level (100/255), 0 (ties with empty pixels),
 # below 0 (every pixel) and 1 (no pixel).
@@ -65,6 +65,9 @@ def test_grid_scores_equal_brute_force_on_tricky_maps_and_any_truth_type():
     joined across row ends or across images of a chunk (more than CHUNK images here), 4-connectivity,
     overlap counted on the wrong runs, and a uint8 truth used as an index (`object too deep`)."""
     probs8, truth = tricky_maps(2 * CHUNK + 5)
+    levels = np.unique(np.clip(np.floor(np.array(THRESHOLDS) * 255), -1, 255))
+    textured = _is_textured(np.searchsorted(levels, probs8).astype(np.uint8), len(levels))
+    assert textured.any() and not textured.all()  # both ways of finding components are checked
     expected = reference_scores(probs8, truth, THRESHOLDS, MIN_AREAS, GATES, TOP_K_SMALL)
     assert len(np.unique(expected.round(9))) > 20  # the brute force does tell rules apart
     for as_type in (lambda t: t, lambda t: t.astype(np.uint8), lambda t: t.astype(np.uint8) * 255,
@@ -84,6 +87,20 @@ def test_grid_scores_equal_brute_force_on_smooth_maps_with_blobs():
     expected = reference_scores(probs8, truth, thresholds, areas, GATES, TOP_K_SMALL)
     np.testing.assert_allclose(grid_scores(probs8, truth, thresholds, areas, GATES, TOP_K_SMALL), expected,
                                rtol=0, atol=1e-12)
+
+
+def test_grid_scores_equal_brute_force_with_every_uint8_level_and_one_pixel_wide_maps():
+    """Catches faults of the path for more than 255 distinct levels (a uint16 level image, on a
+    smooth ramp and on noise) and of maps one pixel wide or high."""
+    rng = np.random.default_rng(7)
+    ramp = np.tile((np.arange(31) * 8).astype(np.uint8), (23, 1))
+    cases = [(np.stack([ramp, rng.integers(0, 256, (23, 31), dtype=np.uint8)]), np.arange(-2, 258) / 255)]
+    cases += [(rng.integers(0, 256, (4, *shape), dtype=np.uint8), (0.1, 0.5, 0.9)) for shape in [(1, 9), (9, 1), (1, 1)]]
+    for probs8, thresholds in cases:
+        truth = rng.random(probs8.shape) < 0.4
+        expected = reference_scores(probs8, truth, thresholds, (0, 2, 30), (0.0, 0.6), top_k=3)
+        np.testing.assert_allclose(grid_scores(probs8, truth, thresholds, (0, 2, 30), (0.0, 0.6), top_k=3),
+                                   expected, rtol=0, atol=1e-12)
 
 
 def test_a_diagonal_chain_is_one_component():
