@@ -70,13 +70,13 @@ def resize_probs(probs, shape: tuple[int, int] = SUBMISSION_SHAPE):
 
 def _resize(x, shape, mode, dtype):
     is_numpy = not isinstance(x, torch.Tensor)
-    tensor = torch.as_tensor(np.ascontiguousarray(x) if is_numpy else x)  # also flipped views
-    if tuple(tensor.shape[-2:]) == tuple(shape):
-        return x
-    lead = tensor.shape[:-2]
-    flat = tensor.reshape(-1, 1, *tensor.shape[-2:]).float()
-    options = {"align_corners": False} if mode == "bilinear" else {}
-    out = F.interpolate(flat, size=tuple(shape), mode=mode, **options).reshape(*lead, *shape)
+    out = torch.as_tensor(np.ascontiguousarray(x) if is_numpy else x)  # also flipped views
+    if tuple(out.shape[-2:]) != tuple(shape):
+        lead = out.shape[:-2]
+        flat = out.reshape(-1, 1, *out.shape[-2:]).float()
+        options = {"align_corners": False} if mode == "bilinear" else {}
+        out = F.interpolate(flat, size=tuple(shape), mode=mode, **options).reshape(*lead, *shape)
+    # Already at `shape`, the input still gets the output's type: float32, or uint8 0/1 masks.
     out = out.to(dtype) if dtype == torch.float32 else (out != 0).to(dtype)
     return out.numpy() if is_numpy else out
 

@@ -2,49 +2,94 @@
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-from cloudseg.checkpoint import load_checkpoint
-from cloudseg.config import from_dict
-from cloudseg.files import atomic_path
+from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
-from cloudseg.postprocess import GATES, MIN_AREAS, RULE_KEYS, THRESHOLDS, TOP_K, grid_scores
+from cloudseg.postprocess import GATES, MIN_AREAS, RULE_KEYS, THRESHOLDS, TOP_K, grid_scores, write_rule_file
 from cloudseg.task import LABELS
+
+# Images with and without a class that the search needs before it changes that class's rule.
+MIN_IMAGES = 5
 
 
 def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     """Search threshold, minimum area and gate per class; write postprocess.json; return it.
 
-    The runs' own rule (their config's predict.*) is part of the grid, so the tuned CV Dice
-    is never below the untuned one on the same images.
+    The runs' own rule (predict.* in the first run's config.yaml) is part of the grid, so the
+    tuned CV Dice is never below the untuned one on the same images.
     """
     ids, probs, truth = pool([Path(r) for r in run_dirs])
-    current = from_dict(load_checkpoint(Path(run_dirs[0]) / "last.pt")["config"]).predict
+    current = load_config(Path(run_dirs[0]) / "config.yaml").predict
     started = time.perf_counter()
+    result = search_rule(probs, truth, current)
+    result.update(runs=[str(r) for r in run_dirs], seconds=time.perf_counter() - started)
+    out = Path(out) if out else Path(run_dirs[0]).parent / "postprocess.json"
+    write_rule_file(result, out)
+    result["path"] = str(out)
+    return result
+
+
+def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP_K,
+                min_images: int = MIN_IMAGES) -> dict:
+    """The best rule per class on these images, with its mean Dice before (current rule) and after.
+
+    probs8: (N, 4, H, W) uint8 probabilities at submission size; truth: the (N, 4, H, W) masks
+    (bool or integer); current: the rule in force, per-class `threshold`, `min_area`, `gate`
+    (`config.predict` or a mapping). Guard against a small fold: a class with fewer than
+    `min_images` images with it, or without it, keeps the current rule; ties between best rules
+    go to the one that removes least. Returns the rule under RULE_KEYS, `top_k`, `images`,
+    `cv_dice` {before, after: {mean, label: Dice}} and `kept` {label: why the guard kept it}.
+    """
     rule = {key: [] for key in RULE_KEYS}
-    before, after = {}, {}
+    before, after, kept = {}, {}, {}
     for c, label in enumerate(LABELS):
-        mine = (current.threshold[c], current.min_area[c], current.gate[c])
-        grid = [sorted(set(values) | {value}) for values, value in zip((THRESHOLDS, MIN_AREAS, GATES), mine)]
-        scores = grid_scores(probs[:, c], truth[:, c], *grid)
+        mine = [_rule_value(current, key)[c] for key in RULE_KEYS]
+        kept_because = too_few_images(truth[:, c], min_images)
+        if kept_because:
+            kept[label] = kept_because
+            grid = [[value] for value in mine]  # score the current rule only
+        else:
+            grid = [sorted(set(values) | {value}) for values, value in zip((THRESHOLDS, MIN_AREAS, GATES), mine)]
+        scores = grid_scores(probs8[:, c], truth[:, c], *grid, top_k=top_k)
         before[label] = float(scores[tuple(values.index(value) for values, value in zip(grid, mine))])
-        best = np.unravel_index(np.argmax(scores), scores.shape)
+        best = least_aggressive_best(scores)
         after[label] = float(scores[best])
         for key, values, index in zip(rule, grid, best):
             rule[key].append(values[index])
-    result = {**rule, "top_k": TOP_K, "images": len(ids), "runs": [str(r) for r in run_dirs],
-              "cv_dice": {"before": {"mean": float(np.mean(list(before.values()))), **before},
-                          "after": {"mean": float(np.mean(list(after.values()))), **after}},
-              "seconds": time.perf_counter() - started}
-    out = Path(out) if out else Path(run_dirs[0]).parent / "postprocess.json"
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(result, indent=1))
-    result["path"] = str(out)
-    return result
+    return {**rule, "top_k": top_k, "images": len(probs8),
+            "cv_dice": {"before": {"mean": float(np.mean(list(before.values()))), **before},
+                        "after": {"mean": float(np.mean(list(after.values()))), **after}},
+            "kept": kept}
+
+
+def too_few_images(truth: np.ndarray, min_images: int) -> str | None:
+    """Why one class's (N, H, W) truth is too thin to tune on (None when it is not).
+
+    Without images of both kinds every rule that empties (or keeps) all masks ties for best, and
+    the search would learn "always empty" from a fold where the class happens to be absent.
+    """
+    present = int(np.count_nonzero(truth.any(axis=(-2, -1))))
+    absent = len(truth) - present
+    if min(present, absent) >= min_images:
+        return None
+    return f"{present} image(s) with it and {absent} without; tuning needs {min_images} of each"
+
+
+def least_aggressive_best(scores: np.ndarray) -> tuple[int, int, int]:
+    """Index (threshold, min area, gate) of the best score in grids sorted ascending; among exact
+    ties, the rule that removes least: lowest gate, then smallest minimum area, then lowest threshold."""
+    ties = np.argwhere(scores == scores.max())
+    t, a, g = min(ties.tolist(), key=lambda index: index[::-1])
+    return t, a, g
+
+
+def _rule_value(current, key: str):
+    return current[key] if isinstance(current, Mapping) else getattr(current, key)
 
 
 def pool(run_dirs: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,6 +109,7 @@ def table(result: dict) -> str:
         lines.append(f"{label:<8}{result['threshold'][c]:>10.2f}{result['min_area'][c]:>10}{result['gate'][c]:>6.2f}"
                      f"{result['cv_dice']['before'][label]:>11.4f}{result['cv_dice']['after'][label]:>10.4f}")
     lines.append(f"{'mean':<34}{result['cv_dice']['before']['mean']:>11.4f}{result['cv_dice']['after']['mean']:>10.4f}")
+    lines += [f"{label}: kept the run's rule ({why})" for label, why in result.get("kept", {}).items()]
     lines.append(f"{result['images']} out-of-fold images from {len(result['runs'])} run(s), searched in "
                  f"{result['seconds']:.1f} s; wrote {result['path']}")
     return "\n".join(lines)

@@ -9,15 +9,14 @@ import pandas as pd
 import pytest
 import torch
 
-from cloudseg.checkpoint import save_checkpoint
 from cloudseg.cli import main
-from cloudseg.config import Config
+from cloudseg.config import Config, dump, from_dict
 from cloudseg.data import build_transform
 from cloudseg.metrics import dice
 from cloudseg.oof import read_oof, write_oof
-from cloudseg.postprocess import grid_scores, postprocess, quantize, top_k_mean
+from cloudseg.postprocess import GATES, MIN_AREAS, RULE_KEYS, THRESHOLDS, grid_scores, postprocess, quantize, top_k_mean
 from cloudseg.predict import BLACK_LEVEL, no_data, predict_probs
-from cloudseg.tune import tune
+from cloudseg.tune import search_rule, tune
 
 SHAPE = (350, 525)
 
@@ -45,46 +44,124 @@ def fake_run(folder, ids, probs8, truth, **predict):
     folder.mkdir(parents=True)
     config = Config().model_dump(mode="json")
     config["predict"].update(predict)
-    save_checkpoint(folder / "last.pt", {"model": {}, "config": config, "epoch": 1, "step": 1})
+    (folder / "config.yaml").write_text(dump(from_dict(config)))
     write_oof(folder / "oof.npz", ids, probs8, truth)
     return folder
 
 
 def planted(n, threshold, seed=0):
-    """Probabilities whose truth is exactly `p > threshold` for Fish and Gravel; Flower and Sugar are empty."""
+    """Probabilities whose truth is exactly `p > threshold` for Fish and Gravel in the first half of
+    the images (the second half's probabilities stay below it: no truth); Flower has confident
+    probabilities but is absent from every image; Sugar is present in every image."""
     probs8 = np.zeros((n, 4, *SHAPE), np.uint8)
-    probs8[:, 0] = quantize(smooth_probs(n, seed))
-    probs8[:, 2] = quantize(smooth_probs(n, seed + 100))
-    probs8[:, 1] = quantize(0.3 * smooth_probs(n, seed + 200))  # never confident: gate or threshold it away
+    for c in range(4):
+        probs8[:, c] = quantize(smooth_probs(n, seed + 100 * c))
+    half = n // 2
+    probs8[half:, (0, 2)] = quantize(0.95 * threshold * smooth_probs(n - half, seed + 7)[:, None].repeat(2, 1))
     truth = probs8 > threshold * 255
-    truth[:, 1] = truth[:, 3] = False
+    truth[:, 1] = False
     return probs8, truth
 
 
+RUN_RULE = {"threshold": [0.5] * 4, "min_area": [0] * 4, "gate": [0.0] * 4}  # Config's defaults
+
+
 def test_tune_recovers_a_planted_threshold_and_never_lowers_the_cv_dice(tmp_path, capsys):
-    probs8, truth = planted(8, threshold=0.59)
-    ids = [f"{i}.jpg" for i in range(8)]
-    runs = [fake_run(tmp_path / "fold0", ids[:4], probs8[:4], truth[:4]),
-            fake_run(tmp_path / "fold1", ids[4:], probs8[4:], truth[4:])]
+    probs8, truth = planted(12, threshold=0.59)
+    ids = [f"{i}.jpg" for i in range(12)]
+    order = np.random.default_rng(0).permutation(12)  # both folds hold images with and without the class
+    runs = [fake_run(tmp_path / "fold0", [ids[i] for i in order[:6]], probs8[order[:6]], truth[order[:6]]),
+            fake_run(tmp_path / "fold1", [ids[i] for i in order[6:]], probs8[order[6:]], truth[order[6:]])]
     assert main(["tune", *map(str, runs)]) == 0
     out = capsys.readouterr().out
-    assert "CV before" in out and "8 out-of-fold images from 2 run(s)" in out
+    assert "CV before" in out and "12 out-of-fold images from 2 run(s)" in out
+    assert "Flower: kept the run's rule (0 image(s) with it and 12 without" in out
     result = json.loads((tmp_path / "postprocess.json").read_text())
     assert result["threshold"][0] == 0.59 and result["threshold"][2] == 0.59
     assert result["cv_dice"]["after"]["Fish"] == pytest.approx(1.0)
     for label in ("Fish", "Flower", "Gravel", "Sugar", "mean"):
         assert result["cv_dice"]["after"][label] >= result["cv_dice"]["before"][label]
-    assert result["cv_dice"]["after"]["Flower"] == pytest.approx(1.0)  # all-empty truth: the rule learns to say empty
+    assert sorted(result["kept"]) == ["Flower", "Sugar"]  # absent from every image / present in every image
 
 
 def test_untuned_rule_is_part_of_the_grid(tmp_path):
     """A run whose own rule is off the grid is still scored exactly, so tuning cannot lose."""
-    probs8, truth = planted(4, threshold=0.5)
-    run = fake_run(tmp_path / "run", [f"{i}.jpg" for i in range(4)], probs8, truth, threshold=[0.501] * 4)
+    probs8, truth = planted(12, threshold=0.5)
+    run = fake_run(tmp_path / "run", [f"{i}.jpg" for i in range(12)], probs8, truth, threshold=[0.501] * 4)
     result = tune([run], tmp_path / "p.json")
+    assert result["kept"].keys() == {"Flower", "Sugar"}  # Fish and Gravel were searched
     masks = postprocess(probs8, [0.501] * 4, [0] * 4)
     expected = dice(masks, truth).mean(0)
     assert [result["cv_dice"]["before"][k] for k in ("Fish", "Flower", "Gravel", "Sugar")] == pytest.approx(expected)
+
+
+def test_tune_reads_the_rule_from_config_yaml_and_names_it_when_missing(tmp_path):
+    """Catches tune ignoring the run's config (scoring the defaults instead) and an unhelpful error."""
+    probs8, truth = planted(4, threshold=0.5)
+    run = fake_run(tmp_path / "run", [f"{i}.jpg" for i in range(4)], probs8, truth, threshold=[0.7] * 4)
+    result = tune([run], tmp_path / "p.json")
+    assert result["threshold"] == [0.7] * 4  # 4 images: the guard keeps the run's rule for every class
+    (run / "config.yaml").unlink()
+    with pytest.raises(FileNotFoundError, match="run/config.yaml"):
+        tune([run], tmp_path / "p.json")
+
+
+def sparse_positives(n_with, n_without, seed=0):
+    """One class: images with a large box of probability 1 (in the truth) and images with only a
+    small false blob at 0.3, which a threshold of 0.32, a minimum area or a gate all remove."""
+    probs8 = np.zeros((n_with + n_without, 4, *SHAPE), np.uint8)
+    truth = np.zeros(probs8.shape, bool)
+    probs8[:n_with, :, 50:250, 100:300] = 255  # 40,000 pixels: above every minimum area
+    truth[:n_with, :, 50:250, 100:300] = True
+    probs8[n_with:, :, 10:30, 10:35] = quantize(0.3)  # 500 pixels of 76: 0.29 keeps them, 0.32 does not
+    return probs8, truth
+
+
+def test_a_class_absent_from_the_fold_keeps_the_runs_rule_not_always_empty():
+    """Catches a search without the guard: where the class never occurs, any rule that empties every
+    mask scores a perfect 1, and the plain argmax picks one ("always empty")."""
+    probs8, truth = planted(12, threshold=0.59)  # Flower: confident probabilities, never in the truth
+    unguarded = search_rule(probs8, truth, RUN_RULE, min_images=0)
+    flower = [unguarded[key][1] for key in RULE_KEYS]
+    assert unguarded["cv_dice"]["after"]["Flower"] == 1.0  # the unguarded rule ...
+    assert not postprocess(probs8[:, 1:2].repeat(4, 1), *([v] * 4 for v in flower))[:, 0].any()  # ... empties all
+    guarded = search_rule(probs8, truth, RUN_RULE)
+    assert [guarded[key][1] for key in RULE_KEYS] == [0.5, 0, 0.0]
+    assert guarded["kept"]["Flower"].startswith("0 image(s) with it and 12 without")
+    assert guarded["cv_dice"]["before"]["Flower"] == guarded["cv_dice"]["after"]["Flower"] < 0.5
+
+
+def test_with_enough_images_of_each_kind_the_guard_changes_nothing():
+    """Catches a guard that fires with enough images (e.g. counting pixels, or `>` for `>=`), or a
+    tie-break that moves a unique best: the result is the plain argmax of grid_scores."""
+    fields = smooth_probs(10, seed=5)
+    truth = (fields > 0.6)[:, None].repeat(4, 1)
+    truth[:5] = False  # 5 images without each class, 5 with it: exactly the minimum
+    probs = 0.75 * fields + 0.25 * smooth_probs(10, seed=6)  # a model that is right, roughly
+    probs[:5] *= 0.8
+    probs8 = quantize(probs)[:, None].repeat(4, 1)
+    result = search_rule(probs8, truth, RUN_RULE)
+    assert result["kept"] == {}
+    grid = [sorted(set(values) | {current}) for values, current in zip((THRESHOLDS, MIN_AREAS, GATES), (0.5, 0, 0.0))]
+    for c in range(4):
+        scores = grid_scores(probs8[:, c], truth[:, c], *grid)
+        assert (scores == scores.max()).sum() == 1  # a unique best, so any tie-break agrees
+        best = np.unravel_index(np.argmax(scores), scores.shape)
+        assert [result[key][c] for key in RULE_KEYS] == [values[i] for values, i in zip(grid, best)]
+
+
+def test_ties_go_to_the_rule_that_removes_least():
+    """Catches the plain argmax's tie-break (first in grid order: lowest threshold, then any gate or
+    minimum area that happens to work): here threshold 0.2 with gate 0.3 ties with threshold 0.32
+    and no gate; the guard prefers no gate, no minimum area, then the lowest threshold."""
+    probs8, truth = sparse_positives(5, 5)
+    result = search_rule(probs8, truth, RUN_RULE)
+    assert [result[key][0] for key in RULE_KEYS] == [0.32, 0, 0.0]
+    assert result["cv_dice"]["after"]["Fish"] == 1.0
+    grid = [sorted(set(values) | {current}) for values, current in zip((THRESHOLDS, MIN_AREAS, GATES), (0.5, 0, 0.0))]
+    scores = grid_scores(probs8[:, 0], truth[:, 0], *grid)
+    first = np.unravel_index(np.argmax(scores), scores.shape)
+    assert [values[i] for values, i in zip(grid, first)] != [0.32, 0, 0.0]  # the argmax would not
 
 
 def test_runs_sharing_an_image_cannot_be_pooled(tmp_path):
