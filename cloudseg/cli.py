@@ -211,9 +211,13 @@ def run_train(args) -> int | None:
     except Interrupted as stopped:
         print(f"cloudseg: {stopped}", file=sys.stderr)
         return 130
-    best = history.loc[history["dice"].idxmax()]
     if distributed.is_main():
-        print(f"run {run_dir}: best validation Dice {best['dice']:.4f} at epoch {int(best['epoch'])}")
+        from cloudseg.train import best_epoch
+
+        best = history.iloc[best_epoch(history.to_dict("records"))]
+        print(f"run {run_dir}: best validation Dice {best['dice_tuned']:.4f} under its tuned rule "
+              f"({best['dice']:.4f} under the config's) at epoch {int(best['epoch'])}; "
+              f"predict applies {run_dir / 'postprocess.json'}")
 
 
 def run_predict(args) -> None:

@@ -26,6 +26,7 @@ GATES = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 
 RULE_KEYS = ("threshold", "min_area", "gate")
+RULE_FILE = "postprocess.json"  # every run writes its tuned rule under this name; make cv the pooled one
 
 
 def read_rule_file(path: str | Path) -> dict:

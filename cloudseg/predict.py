@@ -24,11 +24,10 @@ from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
 from cloudseg.model import CloudNet, build_model
-from cloudseg.postprocess import RULE_KEYS, TOP_K, postprocess, read_rule_file
+from cloudseg.postprocess import RULE_FILE, RULE_KEYS, TOP_K, postprocess, read_rule_file
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
 
 log = logging.getLogger("cloudseg")
-RULE_FILE = "postprocess.json"  # every run writes its tuned rule under this name; make cv the pooled one
 
 
 # Test-time augmentation: the flips (dims of an N×C×H×W batch) whose predictions are averaged.

@@ -40,10 +40,11 @@ from cloudseg.memory import resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
 from cloudseg.model import CloudNet, build_model, prepare_for_training, train_mode
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
-from cloudseg.postprocess import postprocess
+from cloudseg.postprocess import RULE_FILE, postprocess, quantize, write_rule_file
 from cloudseg.predict import batch_probabilities
 from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
 from cloudseg.task import LABELS
+from cloudseg.tune import RuleSearch, search_rule
 from cloudseg.viz import plot_curves
 
 log = logging.getLogger("cloudseg")
@@ -269,12 +270,15 @@ def lr_schedule(optimizer, train_config: TrainConfig, total_steps: int) -> torch
 @torch.no_grad()
 def validate(model, loader, device, dtype, config: Config, skipped: list[Problem] | None = None, *,
              stop_requested=None) -> dict[str, float]:
-    """Validation loss at native size and Kaggle Dice (mean and per class) at 350×525;
-    unreadable samples (skip mode) go into `skipped`. On several processes each validates
+    """Validation loss at native size and Kaggle Dice at 350×525: mean and per class under the
+    config's rule, and `dice_tuned` under the rule tuned on these very images (the search of
+    `cloudseg tune`, which the run's end applies to best.pt's out-of-fold probabilities: this is
+    what the submission will score, and it chooses best.pt). Unreadable samples (skip mode) go
+    into `skipped`. On several processes each validates
     its shard and the per-image results are gathered, so every rank returns the same.
     `stop_requested` is asked before every batch (StopRequested), on all processes together."""
     model.eval()
-    losses, pair_dice = [], []
+    losses, pair_dice, search = [], [], RuleSearch(config.predict)
     asked = None if stop_requested is None else lambda: distributed.total(stop_requested(), device)
     largest_shard = math.ceil(len(loader.dataset) / distributed.world_size())
     batches = until_stopped(loader, asked, count=math.ceil(largest_shard / loader.batch_size))
@@ -282,13 +286,16 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
         images, masks = decode_batch(batch, device)["image"].to(device), batch["mask"].to(device)
         probs = batch_probabilities([model], images, dtype, config.predict)
         losses += per_image_loss(torch.logit(probs.native, eps=1e-6), masks, config.train.dice_weight).tolist()
-        pred = postprocess(probs.submission.cpu().numpy(), config.predict.threshold, config.predict.min_area,
-                           config.predict.gate)
-        pair_dice.append(dice(pred, resize_masks(masks).cpu().numpy()))
-    losses, pair_dice = distributed.gathered(losses), distributed.gathered(pair_dice)
+        probs8, truth = quantize(probs.submission.cpu().numpy()), resize_masks(masks).cpu().numpy()
+        pair_dice.append(dice(postprocess(probs8, config.predict.threshold, config.predict.min_area,
+                                          config.predict.gate), truth))
+        search.add(probs8, truth)
+    losses, pair_dice, (search, *others) = (distributed.gathered(x) for x in (losses, pair_dice, [search]))
+    search.merge(others)
     summary = summarize(np.concatenate(pair_dice))
     return {"valid_loss": float(np.mean(losses)), "dice": summary["dice"],
-            **{f"dice_{label}": summary[label] for label in LABELS}}
+            **{f"dice_{label}": summary[label] for label in LABELS},
+            "dice_tuned": search.result()["cv_dice"]["after"]["mean"]}
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -334,8 +341,15 @@ def end_epoch(run: Run, epoch: int, progress: Progress, validation: dict, rng: d
     record(run.history, run.dir, run.board)
     state = checkpoint_state(run, epoch + 1, None, rng)
     save_checkpoint(run.dir / "last.pt", state)
-    if run.history[-1]["dice"] >= max(row["dice"] for row in run.history):
+    if best_epoch(run.history) == len(run.history) - 1:
         save_checkpoint(run.dir / "best.pt", state)
+
+
+def best_epoch(history: list[dict]) -> int:
+    """Index of the epoch best.pt holds: the highest validation Dice under the tuned rule (the
+    last of equals; runs from before dice_tuned existed: the config's rule)."""
+    scores = [row.get("dice_tuned", row["dice"]) for row in history]
+    return len(scores) - 1 - scores[::-1].index(max(scores))
 
 
 def write_best_oof(run: Run, stop_requested=None) -> None:
@@ -343,12 +357,27 @@ def write_best_oof(run: Run, stop_requested=None) -> None:
     asked for here leaves the finished run to `--resume`, which writes only this."""
     run.model.load_state_dict(load_checkpoint(run.dir / "best.pt")["model"])
     try:
-        oof = predict_oof(run.model, run.config, run.step.device, stop_requested=stop_requested)
+        ids, probs8, truth = predict_oof(run.model, run.config, run.step.device, stop_requested=stop_requested)
     except StopRequested:
         raise Interrupted(f"stopped while writing {OOF_FILE} (training is done); "
                           f"continue with: cloudseg train --resume {run.dir}") from None
-    write_oof(run.dir / OOF_FILE, *oof)
+    write_oof(run.dir / OOF_FILE, ids, probs8, truth)
     log.info("wrote %s", run.dir / OOF_FILE)
+    tune_run(run.dir, probs8, truth, run.config)
+
+
+def tune_run(run_dir: Path, probs8: np.ndarray, truth: np.ndarray, config: Config) -> None:
+    """Every run tunes its own post-processing on its out-of-fold probabilities (the search of
+    `cloudseg tune`, guarded against a small fold) into RUN/postprocess.json, which
+    `cloudseg predict` applies by default."""
+    result = search_rule(probs8, truth, config.predict)
+    write_rule_file(result, run_dir / RULE_FILE)
+    before, after = result["cv_dice"]["before"], result["cv_dice"]["after"]
+    log.info("tuned the post-processing on %d out-of-fold images: CV Dice %.4f -> %.4f (%s); wrote %s",
+             result["images"], before["mean"], after["mean"],
+             ", ".join(f"{label} {before[label]:.3f} -> {after[label]:.3f}" for label in LABELS), run_dir / RULE_FILE)
+    for label, why in result["kept"].items():
+        log.info("  %s keeps the config's rule: %s", label, why)
 
 
 # ---------------------------------------------------------------------------------- records

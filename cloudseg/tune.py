@@ -10,7 +10,7 @@ import numpy as np
 
 from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
-from cloudseg.postprocess import GATES, MIN_AREAS, RULE_KEYS, THRESHOLDS, TOP_K, grid_scores, write_rule_file
+from cloudseg.postprocess import GATES, MIN_AREAS, RULE_FILE, RULE_KEYS, THRESHOLDS, TOP_K, grid_scores, write_rule_file
 from cloudseg.task import LABELS
 
 # Images with and without a class that the search needs before it changes that class's rule.
@@ -28,7 +28,7 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     started = time.perf_counter()
     result = search_rule(probs, truth, current)
     result.update(runs=[str(r) for r in run_dirs], seconds=time.perf_counter() - started)
-    out = Path(out) if out else Path(run_dirs[0]).parent / "postprocess.json"
+    out = Path(out) if out else Path(run_dirs[0]).parent / RULE_FILE
     write_rule_file(result, out)
     result["path"] = str(out)
     return result
@@ -40,41 +40,70 @@ def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP
 
     probs8: (N, 4, H, W) uint8 probabilities at submission size; truth: the (N, 4, H, W) masks
     (bool or integer); current: the rule in force, per-class `threshold`, `min_area`, `gate`
-    (`config.predict` or a mapping). Guard against a small fold: a class with fewer than
-    `min_images` images with it, or without it, keeps the current rule; ties between best rules
-    go to the one that removes least. Returns the rule under RULE_KEYS, `top_k`, `images`,
-    `cv_dice` {before, after: {mean, label: Dice}} and `kept` {label: why the guard kept it}.
+    (`config.predict` or a mapping). See `RuleSearch` for the guard and the result.
     """
-    rule = {key: [] for key in RULE_KEYS}
-    before, after, kept = {}, {}, {}
-    for c, label in enumerate(LABELS):
-        mine = [_rule_value(current, key)[c] for key in RULE_KEYS]
-        kept_because = too_few_images(truth[:, c], min_images)
-        if kept_because:
-            kept[label] = kept_because
-            grid = [[value] for value in mine]  # score the current rule only
-        else:
-            grid = [sorted(set(values) | {value}) for values, value in zip((THRESHOLDS, MIN_AREAS, GATES), mine)]
-        scores = grid_scores(probs8[:, c], truth[:, c], *grid, top_k=top_k)
-        before[label] = float(scores[tuple(values.index(value) for values, value in zip(grid, mine))])
-        best = least_aggressive_best(scores)
-        after[label] = float(scores[best])
-        for key, values, index in zip(rule, grid, best):
-            rule[key].append(values[index])
-    return {**rule, "top_k": top_k, "images": len(probs8),
-            "cv_dice": {"before": {"mean": float(np.mean(list(before.values()))), **before},
-                        "after": {"mean": float(np.mean(list(after.values()))), **after}},
-            "kept": kept}
+    search = RuleSearch(current, top_k, min_images)
+    search.add(probs8, truth)
+    return search.result()
 
 
-def too_few_images(truth: np.ndarray, min_images: int) -> str | None:
-    """Why one class's (N, H, W) truth is too thin to tune on (None when it is not).
+class RuleSearch:
+    """The search of `search_rule`, fed batch by batch: each class's grid of Dice sums and its
+    image counts add up, so a validation pass keeps no probabilities, and processes that each
+    saw a shard `merge` into the search over all images.
+
+    Guard against a small fold: a class with fewer than `min_images` images with it, or
+    without it, keeps the current rule; ties between best rules go to the one that removes
+    least. `result()` gives the rule under RULE_KEYS, `top_k`, `images`, `cv_dice` {before,
+    after: {mean, label: Dice}} and `kept` {label: why the guard kept it}.
+    """
+
+    def __init__(self, current, top_k: int = TOP_K, min_images: int = MIN_IMAGES):
+        self.mine = [[_rule_value(current, key)[c] for key in RULE_KEYS] for c in range(len(LABELS))]
+        self.grids = [[sorted(set(values) | {value}) for values, value in zip((THRESHOLDS, MIN_AREAS, GATES), mine)]
+                      for mine in self.mine]
+        self.top_k, self.min_images = top_k, min_images
+        self.sums = [np.zeros([len(values) for values in grid]) for grid in self.grids]
+        self.present, self.images = np.zeros(len(LABELS), dtype=np.int64), 0
+
+    def add(self, probs8: np.ndarray, truth: np.ndarray) -> None:
+        for c, grid in enumerate(self.grids):
+            self.sums[c] += grid_scores(probs8[:, c], truth[:, c], *grid, top_k=self.top_k) * len(probs8)
+            self.present[c] += int(np.count_nonzero(np.asarray(truth[:, c]).any(axis=(-2, -1))))
+        self.images += len(probs8)
+
+    def merge(self, others) -> None:
+        """Add the sums and counts of other searches over other images (e.g. other ranks')."""
+        for other in others:
+            self.sums = [mine + theirs for mine, theirs in zip(self.sums, other.sums)]
+            self.present, self.images = self.present + other.present, self.images + other.images
+
+    def result(self) -> dict:
+        rule = {key: [] for key in RULE_KEYS}
+        before, after, kept = {}, {}, {}
+        for c, label in enumerate(LABELS):
+            grid, scores = self.grids[c], self.sums[c] / max(self.images, 1)
+            current = tuple(values.index(value) for values, value in zip(grid, self.mine[c]))
+            kept_because = too_few_images(int(self.present[c]), self.images - int(self.present[c]), self.min_images)
+            best = current if kept_because else least_aggressive_best(scores)
+            if kept_because:
+                kept[label] = kept_because
+            before[label], after[label] = float(scores[current]), float(scores[best])
+            for key, values, index in zip(rule, grid, best):
+                rule[key].append(values[index])
+        return {**rule, "top_k": self.top_k, "images": self.images,
+                "cv_dice": {"before": {"mean": float(np.mean(list(before.values()))), **before},
+                            "after": {"mean": float(np.mean(list(after.values()))), **after}},
+                "kept": kept}
+
+
+def too_few_images(present: int, absent: int, min_images: int) -> str | None:
+    """Why a class with `present` images with it and `absent` without is too thin to tune on
+    (None when it is not).
 
     Without images of both kinds every rule that empties (or keeps) all masks ties for best, and
     the search would learn "always empty" from a fold where the class happens to be absent.
     """
-    present = int(np.count_nonzero(truth.any(axis=(-2, -1))))
-    absent = len(truth) - present
     if min(present, absent) >= min_images:
         return None
     return f"{present} image(s) with it and {absent} without; tuning needs {min_images} of each"

@@ -1,3 +1,5 @@
+import json
+import logging
 import shutil
 
 import numpy as np
@@ -29,7 +31,7 @@ def tiny_config(data, *more):
     return load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, *more])
 
 
-def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys):
+def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
     run = tmp_path / "run"
     assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *TINY]) == 0
     assert {"best.pt", "last.pt", "config.yaml", "metrics.csv", "train.log"} <= {p.name for p in run.iterdir()}
@@ -40,11 +42,21 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys):
     saved = load_config(run / "config.yaml")
     assert saved.data.image_size == (64, 96)  # resolved from the data and saved
     best = load_checkpoint(run / "best.pt")
-    assert best["epoch"] == metrics.loc[metrics["dice"].idxmax(), "epoch"]
+    assert best["epoch"] == metrics.loc[metrics["dice_tuned"][::-1].idxmax(), "epoch"]  # the last of equals
     assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "config", "metrics"} <= set(best)
 
+    # every run tunes itself on best.pt's out-of-fold probabilities: the same images and search
+    # that chose best.pt, so the tuned CV Dice is that epoch's dice_tuned (up to the uint8 rounding
+    # of probabilities computed in other batch sizes), and never below the config's rule
+    tuned = json.loads((run / "postprocess.json").read_text())
+    assert tuned["cv_dice"]["after"]["mean"] == pytest.approx(metrics["dice_tuned"].max(), abs=2e-3)
+    assert tuned["cv_dice"]["after"]["mean"] >= tuned["cv_dice"]["before"]["mean"]
+    assert "best validation Dice" in capsys.readouterr().out
+
     sub = tmp_path / "submission.csv"
+    caplog.set_level(logging.INFO, logger="cloudseg")
     assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(sub)]) == 0
+    assert f"the tuned rule of {(run / 'postprocess.json').resolve()}" in caplog.text  # applied by default
     frame = pd.read_csv(sub, keep_default_na=False)
     expected = pd.read_csv(data / "sample_submission.csv")["Image_Label"]
     assert frame["Image_Label"].tolist() == expected.tolist()

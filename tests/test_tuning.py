@@ -257,7 +257,9 @@ def test_ensemble_of_one_checkpoint_equals_the_checkpoint(trained, tmp_path):
     best = str(runs[0] / "best.pt")
     main(["predict", "--checkpoint", best, "--out", str(tmp_path / "one.csv")])
     main(["predict", "--checkpoint", best, "--checkpoint", best, "--out", str(tmp_path / "twice.csv")])
-    main(["predict", "--checkpoint", best, "--checkpoint", str(runs[1] / "best.pt"), "--out", str(tmp_path / "two.csv")])
+    two = ["predict", "--checkpoint", best, "--checkpoint", str(runs[1] / "best.pt"), "--out", str(tmp_path / "two.csv")]
+    assert main(two) == 2  # two runs and no pooled rule beside them: the user must name one
+    assert main([*two, "--postprocess", "none"]) == 0
     assert submission(tmp_path / "one.csv").equals(submission(tmp_path / "twice.csv"))
     assert len(submission(tmp_path / "two.csv")) == len(submission(tmp_path / "one.csv"))
 
