@@ -78,6 +78,10 @@ class TrainConfig(Section):
         5, ge=1, description="stop after this many windows in a row with a non-finite loss or gradient"
     )
     channels_last: bool = Field(True, description="NHWC memory format (faster convolutions on tensor cores)")
+    ema: float | None = Field(
+        None, gt=0, lt=1, description="decay of an exponential moving average of the weights (and BatchNorm "
+        "statistics), updated once per optimizer step, validated and saved as the model (e.g. 0.99); null = off"
+    )
     checkpointing: Literal["none", "encoder", "full"] = Field(
         "none", description="recompute activations in backward: encoder blocks, or encoder and decoder blocks"
     )

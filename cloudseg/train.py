@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
@@ -101,6 +102,7 @@ class Run:
     valid_loader: DataLoader
     board: SummaryWriter | None  # TensorBoard, rank 0 only
     micro_batch: int  # halved by an out-of-memory retry
+    ema: AveragedModel | None = None  # train.ema: the averaged weights, validated and saved as the model
     history: list[dict] = field(default_factory=list)  # one metrics row per finished epoch
 
 
@@ -118,7 +120,7 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
             if stopped:
                 save_and_stop(run, epoch, progress, rng, f"after window {progress.windows}")
             try:
-                validation = validate(run.model, run.valid_loader, run.step.device, run.step.dtype, config,
+                validation = validate(evaluated(run), run.valid_loader, run.step.device, run.step.dtype, config,
                                       progress.skipped_samples, stop_requested=stop_requested)
             except StopRequested:  # the epoch's windows are done: a resume validates it again
                 save_and_stop(run, epoch, progress, rng, "while validating")
@@ -160,8 +162,30 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
         create_run_dir(run_dir, config, train_set.skipped)
     step = StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight)
     run = assemble(config, run_dir, step, scheduler, (train_set, valid_set))
-    run.history = history
+    run.history, run.ema = history, averaged(model, config.train.ema)
+    if resume and run.ema is not None:
+        restore_ema(run_dir / "last.pt", model, run.ema)
     return run, start_epoch, progress
+
+
+def averaged(model: CloudNet, decay: float | None) -> AveragedModel | None:
+    """train.ema: PyTorch's exponential moving average of the weights. use_buffers: the
+    BatchNorm running statistics are averaged with them, so the averaged weights are never
+    paired with statistics that only the last weights produced."""
+    if decay is None:
+        return None
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+
+def restore_ema(path: Path, model: CloudNet, ema: AveragedModel) -> None:
+    """With train.ema, a checkpoint's "model" is the average: the weights that train are under
+    "training_model", and the number of averaged steps under "ema_updates"."""
+    state = load_checkpoint(path)
+    if "training_model" not in state:
+        raise ValueError(f"{path}: saved without train.ema, cannot resume with it (or set train.ema=null)")
+    ema.module.load_state_dict(state["model"])
+    model.load_state_dict(state["training_model"])
+    ema.n_averaged.fill_(state["ema_updates"])
 
 
 def assemble(config: Config, run_dir: Path, step: StepContext, scheduler, sets) -> Run:
@@ -219,6 +243,8 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
             in_a_row = count_skip(result, in_a_row, progress, desc, config.train.max_skipped_windows)
             if not result.skipped:
                 run.scheduler.step()
+                if run.ema is not None:  # once per optimizer step, however many micro-batches it took
+                    run.ema.update_parameters(run.model)
                 progress.losses.append(result.loss)
                 bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{run.scheduler.get_last_lr()[0]:.2e}")
         if distributed.total(stop_requested(), device):
@@ -302,11 +328,20 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
 
 
 def checkpoint_state(run: Run, epoch: int, progress: Progress | None, rng: dict) -> dict:
-    """The one dict a checkpoint holds (see checkpoint.py); `progress` only mid-epoch."""
-    return {"model": run.model.state_dict(), "optimizer": run.step.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(), "scaler": run.step.scaler.state_dict(), "epoch": epoch,
-            "step": run.scheduler.last_epoch, "rng": rng, "config": run.config.model_dump(mode="json"),
-            "metrics": run.history, "progress": progress.to_dict() if progress else None}
+    """The one dict a checkpoint holds (see checkpoint.py); `progress` only mid-epoch. "model"
+    is what predict loads: the averaged weights with train.ema (see restore_ema)."""
+    state = {"model": evaluated(run).state_dict(), "optimizer": run.step.optimizer.state_dict(),
+             "scheduler": run.scheduler.state_dict(), "scaler": run.step.scaler.state_dict(), "epoch": epoch,
+             "step": run.scheduler.last_epoch, "rng": rng, "config": run.config.model_dump(mode="json"),
+             "metrics": run.history, "progress": progress.to_dict() if progress else None}
+    if run.ema is not None:
+        state.update(training_model=run.model.state_dict(), ema_updates=int(run.ema.n_averaged))
+    return state
+
+
+def evaluated(run: Run) -> CloudNet:
+    """The model that validation, best.pt and out-of-fold prediction see: the average with train.ema."""
+    return run.model if run.ema is None else run.ema.module
 
 
 def restore(path: Path, **parts) -> tuple[int, list[dict], Progress | None]:

@@ -18,34 +18,28 @@ from cloudseg.train import Interrupted, train
 from tests.test_train import TINY
 
 
-def signal_on_call(model, call, signum):
-    """Deliver `signum` to this process during the `call`-th training forward (mid-window)."""
-    forward, calls = model.forward, []
+def signal_during(model, call, signum, training=True):
+    """Deliver `signum` to this process at the `call`-th forward with gradients (training,
+    mid-window) or without (validation, out-of-fold). A forward pre-hook, not a replaced
+    `forward`: a deep copy of the model (train.ema's average) must not run this model's forward."""
+    calls = []
 
-    def forward_then_signal(images):
-        if torch.is_grad_enabled():
+    def hook(module, args):
+        if torch.is_grad_enabled() == training:
             calls.append(1)
             if len(calls) == call:
                 os.kill(os.getpid(), signum)
-        return forward(images)
 
-    model.forward = forward_then_signal
+    model.register_forward_pre_hook(hook)
     return model
+
+
+def signal_on_call(model, call, signum):
+    return signal_during(model, call, signum)
 
 
 def signal_on_evaluation(model, call, signum=signal.SIGTERM):
-    """Deliver `signum` during the `call`-th forward without gradients (validation, out-of-fold)."""
-    forward, calls = model.forward, []
-
-    def forward_then_signal(images):
-        if not torch.is_grad_enabled():
-            calls.append(1)
-            if len(calls) == call:
-                os.kill(os.getpid(), signum)
-        return forward(images)
-
-    model.forward = forward_then_signal
-    return model
+    return signal_during(model, call, signum, training=False)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
