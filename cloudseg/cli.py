@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory = commands.add_parser("memory", help="GPU memory of a training step and the micro-batch that fits each card")
     memory.add_argument("-c", "--config", required=True, help="YAML config")
     memory.add_argument("--micro-batch", type=int, help="micro-batch of the breakdown (default: the config's, or 4)")
+    memory.add_argument("--limit-gb", type=float, metavar="GB",
+                        help="on a CUDA GPU: cap this process at GB (a card of that size) and run real training steps")
     memory.add_argument("overrides", nargs="*", metavar="key=value")
     memory.set_defaults(run=run_memory)
 
@@ -253,12 +255,19 @@ def run_config(args) -> None:
 
 def run_memory(args) -> None:
     from cloudseg.config import load_config
-    from cloudseg.memory import report
+    from cloudseg.memory import capped, report
     from cloudseg.hardware import resolve_device
 
     config = load_config(args.config, args.overrides)
     micro_batch = args.micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 4)
-    print(report(config, micro_batch, resolve_device(config.train.device)))
+    device = resolve_device(config.train.device)
+    if args.limit_gb is None:
+        print(report(config, micro_batch, device))
+    elif device.type != "cuda":
+        raise ValueError("cloudseg memory --limit-gb runs real training steps under the cap: it needs a CUDA GPU "
+                         "(without --limit-gb, cloudseg memory estimates on the CPU)")
+    else:
+        print(capped(config, args.limit_gb, micro_batch, device))
 
 
 def run_show(args) -> None:

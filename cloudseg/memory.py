@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from cloudseg import distributed
-from cloudseg.config import Config
+from cloudseg.config import Config, apply_overrides, from_dict
 from cloudseg.data import padded_shape
-from cloudseg.engine import StepContext, accumulate
+from cloudseg.engine import StepContext, accumulate, resilient_step
 from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision
 from cloudseg.model import (CloudNet, build_model, checkpoint_blocks, norm_statistics,
                             prepare_for_training, restore_norm_statistics)
@@ -129,9 +129,11 @@ def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, wor
 
 def available_bytes(device: torch.device) -> int:
     """What this process can hold on its GPU: the free memory (other processes on the same GPU
-    count) plus what its own allocator has reserved already."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device)
+    count) plus what its own allocator has reserved already, within its memory fraction cap
+    (`cloudseg memory --limit-gb`; torch < 2.5 cannot tell the cap)."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+    return min(free + torch.cuda.memory_reserved(device), int(fraction * total))
 
 
 # ---------------------------------------------------------------------------------- CPU estimate
@@ -196,6 +198,56 @@ def _saved_bytes(model: CloudNet, shape, float_scale: float) -> dict:
     for handle in handles:
         handle.remove()
     return counts
+
+
+# ---------------------------------------------------------------------------------- under a cap
+
+
+def capped(config: Config, limit_gb: float, micro_batch: int, device) -> str:
+    """`cloudseg memory --limit-gb`: this process capped at `limit_gb` GB (a card of that size, on
+    any larger GPU), real training steps at `micro_batch` for fp16 (pre-Ampere cards) and bf16
+    and each checkpointing mode, with the out-of-memory retry and `micro_batch: auto` for real."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1e9 / total), device)
+    image_size = tuple(config.data.image_size or IMAGE_SHAPE)
+    lines = [f"{config.model.encoder} at {image_size[0]}x{image_size[1]}, capped at {limit_gb:g} GB of "
+             f"{total / 1e9:.1f} GB: two real training steps at micro-batch {micro_batch}", "",
+             f"{'precision':<10}{'checkpointing':<14}{'peak GiB':>9}{'trained at':>11}{'auto':>6}  fits"]
+    for precision in ("fp16", "bf16"):
+        for mode in CHECKPOINTING_MODES:
+            trial = from_dict(apply_overrides(config.model_dump(mode="json"), [
+                f"train.precision={precision}", f"train.checkpointing={mode}", "train.micro_batch=auto"]))
+            peak, used, auto = capped_steps(trial, micro_batch, image_size, device)
+            lines.append(f"{precision:<10}{mode:<14}{'-' if peak is None else f'{peak / 2**30:.2f}':>9}"
+                         f"{used or '-':>11}{auto or '-':>6}  {'yes' if used == micro_batch else 'no'}")
+    return "\n".join(lines + ["", "trained at: the micro-batch after the out-of-memory retry (- = not even 1); "
+                               "auto: what train.micro_batch=auto picks under the cap"])
+
+
+def capped_steps(config: Config, micro_batch: int, image_size, device) -> tuple[float | None, int, int]:
+    """(peak bytes of two training steps, the micro-batch they ran at after any out-of-memory
+    retry, what micro_batch auto picks), under the current cap; zeros where nothing fits."""
+    model = build_model(config.model, pretrained=False).to(device).train()
+    prepare_for_training(model, config.train.channels_last, config.train.checkpointing)
+    dtype = autocast_dtype(config.train.precision, device)
+    step = StepContext(model, torch.optim.AdamW(model.parameters()),
+                       torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype)), device, dtype)
+    window = [{"image": torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8),
+               "mask": torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8)}]
+    try:
+        auto = resolve_micro_batch(config, model, image_size, device)
+    except RuntimeError:  # not even a micro-batch of 1 fits
+        auto = 0
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        _, used = resilient_step(step, window, micro_batch)
+        resilient_step(step, window, used)  # the second step holds AdamW's state too
+        peak = torch.cuda.max_memory_allocated(device)
+    except torch.cuda.OutOfMemoryError:
+        peak, used = None, 0
+    del model, step
+    torch.cuda.empty_cache()
+    return peak, used, auto
 
 
 # ---------------------------------------------------------------------------------- report

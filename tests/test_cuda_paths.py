@@ -104,3 +104,36 @@ def test_smallest_agrees_across_processes(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_smallest_on_rank, args=(2, tmp_path / "init", [4, 2], results), nprocs=2)
     assert dict(results) == {0: 2, 1: 2}
+
+
+def test_limit_gb_caps_the_process_and_reports_every_precision_and_mode(monkeypatch):
+    """`cloudseg memory --limit-gb` with the CUDA calls faked and a model that runs out of
+    memory above one image. Would catch: a cap computed against something other than the
+    card's total, a precision or checkpointing mode left out, and a retry that is not run."""
+    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]", "data.image_size=[64,96]",
+                                               "train.effective_batch=4"])
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 80e9}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * GiB)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_build = memory.build_model
+
+    def one_image_at_most(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+
+        def refuse(module, args):
+            if torch.is_grad_enabled() and len(args[0]) > 1:
+                raise torch.cuda.OutOfMemoryError("simulated")
+
+        model.register_forward_pre_hook(refuse)
+        return model
+
+    monkeypatch.setattr(memory, "build_model", one_image_at_most)
+    table = memory.capped(config, 11, 2, torch.device("cpu"))
+    assert fractions == [pytest.approx(11 / 80)]
+    rows = [line.split() for line in table.splitlines() if line.startswith(("fp16", "bf16"))]
+    assert [(row[0], row[1]) for row in rows] == [(p, m) for p in ("fp16", "bf16") for m in memory.CHECKPOINTING_MODES]
+    for row in rows:
+        assert row[2:] == ["3.00", "1", "4", "no"]  # retried down to 1 image; auto on a CPU device: largest divisor <= 4
