@@ -49,12 +49,35 @@ class AugmentConfig(Section):
 
 
 class ModelConfig(Section):
+    arch: Literal["unet", "unetplusplus", "fpn"] = Field(
+        "unet", description="smp architecture: unet; unetplusplus (nested skip paths: more compute and memory); "
+        "fpn (feature pyramid, predicts at 1/4 resolution and upsamples bilinearly)"
+    )
     encoder: str = Field("resnet34", description="smp encoder name (e.g. resnet34, resnet18, efficientnet-b0)")
     encoder_weights: str | None = Field("imagenet", description="pretrained encoder weights; null = random init")
-    decoder_channels: tuple[int, ...] = Field((256, 128, 64, 32, 16), description="UNet decoder widths, deep to shallow")
+    decoder_channels: tuple[int, ...] | None = Field(
+        None, description="decoder widths. unet, unetplusplus: one per decoder stage, deep to shallow (their count "
+        "is the encoder depth); null = [256, 128, 64, 32, 16]. fpn: [pyramid, segmentation], segmentation a "
+        "multiple of 32 (its decoder uses GroupNorm with 32 groups); null = [256, 128]"
+    )
     norm: Literal["batch", "frozen", "group"] = Field(
         "batch", description="batch: BatchNorm as is; frozen: encoder norm layers in eval mode; group: GroupNorm"
     )
+
+    @model_validator(mode="after")
+    def _decoder_channels_fit_the_arch(self):
+        """Refused rather than reinterpreted: UNet widths make no sense as FPN widths, and back."""
+        channels = self.decoder_channels
+        if channels is None:
+            return self
+        if not channels or any(width < 1 for width in channels):
+            raise ValueError(f"model.decoder_channels must be one or more positive widths, got {list(channels)}")
+        if self.arch == "fpn" and (len(channels) != 2 or channels[1] % 32):
+            raise ValueError(
+                f"model.decoder_channels={list(channels)} does not fit model.arch=fpn: give [pyramid, segmentation] "
+                "widths with segmentation a multiple of 32 (e.g. [128, 64]), or null for [256, 128]"
+            )
+        return self
 
 
 class TrainConfig(Section):

@@ -284,7 +284,7 @@ def report(config: Config, micro_batch: int, device) -> str:
     else:
         steps, how = estimate(config, image_size), "estimated on CPU (saved tensors counted by autograd hooks)"
     height, width = padded_shape(image_size)
-    lines = [f"UNet-{config.model.encoder} at {image_size[0]}x{image_size[1]} (padded {height}x{width}), "
+    lines = [f"{config.model.arch}-{config.model.encoder} at {image_size[0]}x{image_size[1]} (padded {height}x{width}), "
              f"{precision}, channels_last={config.train.channels_last}: {how}", "",
              f"breakdown at micro-batch {micro_batch} (GiB)",
              f"{'checkpointing':<14}{'weights':>9}{'grads':>9}{'AdamW':>9}{'other':>9}{'activ.':>9}{'total':>9}"]

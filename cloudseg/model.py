@@ -1,4 +1,4 @@
-"""The network: a segmentation-models-pytorch UNet behind a uint8-in, logits-out wrapper.
+"""The network: a segmentation-models-pytorch UNet, UNet++ or FPN behind a uint8-in, logits-out wrapper.
 
 Data path: train.csv → Dataset → loader → **model** → loss → accumulated step → checkpoint →
 probabilities at 350×525 → post-process → submission, with the memory switches
@@ -24,13 +24,18 @@ from cloudseg.task import LABELS
 # Every smp ImageNet encoder uses these (asking smp for them would query the model hub).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# smp's defaults, for model.decoder_channels=null (the UNet's count also sets the encoder depth).
+UNET_DECODER_CHANNELS = (256, 128, 64, 32, 16)
+FPN_DECODER_CHANNELS = (256, 128)  # pyramid, segmentation
 
 
 class CloudNet(nn.Module):
     """uint8 RGB images (N×3×H×W, any H, W) in; logits for the four labels (N×4×H×W) out.
 
     Normalization runs on the model's device, so batches travel there as uint8 (4x fewer
-    bytes); padding to a multiple of 32 and the exact crop back happen here too.
+    bytes); padding to a multiple of 32 and the exact crop back happen here too. The smp
+    network is `self.unet` whatever its architecture: the name predates model.arch, and the
+    state-dict keys of existing checkpoints (`unet.…`) depend on it.
     """
 
     def __init__(self, unet: nn.Module, channels_last: bool = False):
@@ -48,11 +53,14 @@ class CloudNet(nn.Module):
 
 
 def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
-    """The UNet of `config`; `pretrained=False` skips the weight download (e.g. before loading a checkpoint)."""
+    """The network of `config`; `pretrained=False` skips the weight download (e.g. before loading a checkpoint)."""
     try:
         unet = _unet(config, weights=None)  # a bad encoder name fails here, before any download
-    except (KeyError, ValueError) as error:
+    except KeyError as error:
         raise ValueError(f"model.encoder={config.encoder!r} is not an smp encoder: {str(error)[:160]}...") from None
+    except ValueError as error:  # e.g. more decoder stages than the encoder has
+        raise ValueError(f"model.arch={config.arch} with model.encoder={config.encoder!r} and "
+                         f"model.decoder_channels={config.decoder_channels}: {error}") from None
     if pretrained and config.encoder_weights is not None:
         unet = _download_weights(config)
     if config.norm == "group":
@@ -61,13 +69,19 @@ def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
 
 
 def _unet(config: ModelConfig, weights: str | None) -> nn.Module:
-    return smp.Unet(
-        encoder_name=config.encoder,
-        encoder_weights=weights,
-        decoder_channels=tuple(config.decoder_channels),
-        encoder_depth=len(config.decoder_channels),
-        classes=len(LABELS),
-    )
+    """The smp network of `config`, of any model.arch (the name predates the others)."""
+    return smp.create_model(config.arch, encoder_name=config.encoder, encoder_weights=weights,
+                            classes=len(LABELS), **decoder_arguments(config))
+
+
+def decoder_arguments(config: ModelConfig) -> dict:
+    """smp's keyword arguments for model.decoder_channels: the stage widths of a UNet or UNet++
+    decoder (their count is the encoder depth), or FPN's pyramid and segmentation widths."""
+    if config.arch == "fpn":
+        pyramid, segmentation = config.decoder_channels or FPN_DECODER_CHANNELS
+        return {"decoder_pyramid_channels": pyramid, "decoder_segmentation_channels": segmentation}
+    channels = tuple(config.decoder_channels or UNET_DECODER_CHANNELS)
+    return {"decoder_channels": channels, "encoder_depth": len(channels)}
 
 
 def _download_weights(config: ModelConfig) -> nn.Module:
@@ -121,8 +135,9 @@ def prepare_for_training(model: CloudNet, channels_last: bool, checkpointing: st
 
 def enable_checkpointing(model: CloudNet, mode: str) -> list[nn.Module]:
     """Recompute activations in backward instead of keeping them: `encoder` checkpoints each
-    encoder block, `full` also each decoder block (at full resolution the decoder's
-    activations dominate, and smp offers no switch for them). Returns the blocks."""
+    encoder block, `full` also each decoder block (UNet's and UNet++'s decoder blocks, FPN's
+    segmentation blocks: at full resolution the decoder's activations dominate, and smp offers
+    no switch for them). Returns the blocks."""
     blocks = checkpoint_blocks(model, mode)
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block, block.forward)
@@ -136,12 +151,13 @@ def checkpoint_blocks(model: CloudNet, mode: str) -> list[nn.Module]:
 
 
 def _blocks(module: nn.Module):
-    """The blocks of a network: members of its Sequential/ModuleList containers that hold
-    parameters and submodules (ResNet's BasicBlocks, MobileNet's InvertedResiduals, smp's
-    UNet decoder blocks), without descending into a block once found."""
+    """The blocks of a network: members of its Sequential/ModuleList/ModuleDict containers that
+    hold parameters and submodules (ResNet's BasicBlocks, MobileNet's InvertedResiduals, smp's
+    UNet decoder blocks, UNet++'s decoder blocks in a ModuleDict, FPN's segmentation blocks),
+    without descending into a block once found."""
     for child in module.children():
         is_block = any(True for _ in child.children()) and any(True for _ in child.parameters())
-        if isinstance(module, (nn.Sequential, nn.ModuleList)) and is_block:
+        if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and is_block:
             yield child
         else:
             yield from _blocks(child)
