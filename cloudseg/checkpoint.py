@@ -1,4 +1,5 @@
-"""Checkpoints: what one may hold, and what loading one promises.
+"""Checkpoints: what one may hold, and what loading one promises (the data path's
+**checkpoint** step, between the accumulated steps and the probabilities at 350×525).
 
 A cloudseg checkpoint is one dict written by `torch.save`: the model, optimizer, scheduler and
 scaler state dicts (and later possibly an `ema` state dict), `epoch`, `step`, `rng` (the Python,

@@ -1,4 +1,8 @@
-"""The data layer: train.csv, images, folds, and the Dataset that serves them at native size."""
+"""The data layer: train.csv, images, folds, and the Dataset that serves them at native size.
+
+Data path: **train.csv → Dataset → loader** → model → loss → accumulated step → checkpoint →
+probabilities at 350×525 → post-process → submission.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`data.decode=gpu`: DataLoader workers hand over JPEG bytes, the GPU decodes them.
+"""`data.decode=gpu`: DataLoader workers hand over JPEG bytes, the GPU decodes them (the data
+path's Dataset → loader → model hand-over, moved onto the GPU).
 
 At 1400×2100 the JPEG decode is about half of a training sample's CPU time, and a GPU
 machine may have only 2-4 cores per GPU. In gpu mode a worker reads the file's bytes (its

@@ -1,4 +1,5 @@
-"""Writing files so that a reader never sees half of one."""
+"""Writing files so that a reader never sees half of one: every file the data path writes
+(folds.csv, the run directory, oof.npz, postprocess.json, the submission) goes through here."""
 
 from __future__ import annotations
 

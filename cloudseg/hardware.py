@@ -1,4 +1,5 @@
-"""Where the model runs and in which precision: every such decision is made here, once.
+"""Where the model runs and in which precision: every such decision is made here, once, for
+the steps of the data path that run the model (accumulated step, probabilities at 350×525).
 
 Training, validation, out-of-fold and test prediction, `cloudseg memory` and `cloudseg doctor`
 all ask these functions, so a precision name means the same autocast dtype everywhere.

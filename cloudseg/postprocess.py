@@ -1,5 +1,7 @@
 """From probabilities at submission size to binary masks, and the search for the rule's parameters.
 
+Data path: probabilities at 350×525 → **post-process** → submission.
+
 The rule, per class: quantize probabilities to uint8 (as out-of-fold files store them), keep
 pixels above the threshold, drop 8-connected components smaller than the minimum area, and
 empty the mask unless the mean of its image's `top_k` highest probabilities clears the gate.

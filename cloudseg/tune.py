@@ -1,4 +1,8 @@
-"""`cloudseg tune`: the post-processing rule per class, searched on pooled out-of-fold probabilities."""
+"""`cloudseg tune`: the post-processing rule per class, searched on pooled out-of-fold probabilities.
+
+Data path: probabilities at 350×525 (oof.npz) → **the rule of the post-process step**
+(postprocess.json), which every run also searches for itself at its end.
+"""
 
 from __future__ import annotations
 

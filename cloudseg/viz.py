@@ -1,4 +1,5 @@
-"""Pictures: masks over images, training curves, and the plots the notebooks show.
+"""Pictures: masks over images, training curves, and the plots the notebooks show: a look at
+every step of the data path, from train.csv to the submission.
 
 Notebooks only call these; they define no logic of their own.
 """
