@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm

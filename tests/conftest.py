@@ -1,11 +1,64 @@
-import pytest
+"""Fixtures and helpers shared by the tests: the tiny dataset, the tiny training options, and
+ways to plant behaviour in the models that training builds."""
 
+import os
+import shutil
+
+import pytest
+import torch
+
+from cloudseg import train as train_module
 from cloudseg.synth import synthesize
 
 TINY_SHAPE = (64, 96)
+
+TINY = [  # a training run in seconds on the tiny dataset: 16 train and 8 validation images
+    "data.num_workers=0", "data.n_folds=3", "model.decoder_channels=[16,8,8,8,8]",
+    "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1",
+]
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A small synthetic dataset in the Kaggle layout (shared; tests must not modify it)."""
     return synthesize(tmp_path_factory.mktemp("tiny"), n_train=24, n_test=6, height=TINY_SHAPE[0], width=TINY_SHAPE[1], seed=3)
+
+
+@pytest.fixture
+def data_copy(tiny_data, tmp_path):
+    """A private copy of the tiny dataset, for tests that write folds.csv or spoil files."""
+    return shutil.copytree(tiny_data, tmp_path / "data")
+
+
+@pytest.fixture
+def wrap_built_models(monkeypatch):
+    """`wrap(f)`: every model that training builds from now on is passed through `f` (e.g. to
+    plant a signal or an out-of-memory error); `wrap(None)` builds plain models again."""
+    real_build = train_module.build_model
+
+    def wrap(wrapper):
+        build = real_build if wrapper is None else (lambda *a, **k: wrapper(real_build(*a, **k)))
+        monkeypatch.setattr(train_module, "build_model", build)
+
+    return wrap
+
+
+def signal_during(model, call, signum, training=True):
+    """Deliver `signum` to this process at the `call`-th forward with gradients (training,
+    mid-window) or without (validation, out-of-fold). A forward pre-hook, not a replaced
+    `forward`: a deep copy of the model (train.ema's average) must not run this model's forward."""
+    calls = []
+
+    def hook(module, args):
+        if torch.is_grad_enabled() == training:
+            calls.append(1)
+            if len(calls) == call:
+                os.kill(os.getpid(), signum)
+
+    model.register_forward_pre_hook(hook)
+    return model
+
+
+def assert_same_parameters(a, b, tol=1e-12):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=tol, rtol=0), f"{name} differs by {(p - q).abs().max():.3g}"

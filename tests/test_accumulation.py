@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 from cloudseg.engine import StepContext, train_step, windows
 from cloudseg.loss import per_image_loss
 from cloudseg.train import lr_schedule
+from tests.conftest import assert_same_parameters
 from cloudseg.config import TrainConfig
 
 CPU = torch.device("cpu")
@@ -53,11 +54,6 @@ def one_step(micro_batch, n_images, accumulation, grad_clip=None):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     train_step(StepContext(model, optimizer, scaler, CPU, None, grad_clip, dice_weight=1.0), window)
     return model
-
-
-def assert_same_parameters(a, b, tol=1e-12):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.allclose(p, q, atol=tol, rtol=0), f"{name} differs by {(p - q).abs().max():.3g}"
 
 
 def test_four_micro_batches_of_two_equal_one_batch_of_eight():

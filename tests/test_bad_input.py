@@ -12,7 +12,7 @@ from PIL import Image
 
 from cloudseg.cli import main
 from cloudseg.synth import synthesize
-from tests.test_train import TINY
+from tests.conftest import TINY
 
 SHAPE = (64, 96)
 FAST = [*TINY, "train.epochs=1", f"data.image_size=[{SHAPE[0]},{SHAPE[1]}]"]

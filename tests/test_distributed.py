@@ -2,7 +2,6 @@
 same effective batch."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from cloudseg.data import EpochSampler
 from cloudseg.model import NORM_STATISTICS
 from cloudseg.engine import windows
 from cloudseg.train import train
-from tests.test_train import TINY
+from tests.conftest import TINY
 
 # 24 images in 4 folds: 18 train in windows of 8, 8 and 2. With 2 processes each takes 2
 # micro-batches of 2 per window (so no_sync runs), and in the last window one process gets
@@ -75,14 +74,13 @@ def test_accumulation_keeps_the_effective_batch_across_processes():
         config.train.accumulation_for(3)
 
 
-def test_two_processes_train_the_same_parameters_and_statistics_as_one(tiny_data, tmp_path):
+def test_two_processes_train_the_same_parameters_and_statistics_as_one(data_copy, tmp_path):
     """Would catch: gradients summed instead of averaged, a window cut differently on the
     ranks, BatchNorm statistics left per rank (each rank's own micro-batches) or copied from
     rank 0, and validation scoring each shard with a different model. Both sides run in
     float64: in float32 the other order of summing four micro-batch gradients flips the sign
     of Adam's first step on near-zero gradients, and the runs drift apart by about 1%."""
-    data = shutil.copytree(tiny_data, tmp_path / "data")
-    options = [f"data.dir={data}", *OPTIONS]
+    options = [f"data.dir={data_copy}", *OPTIONS]
     train_one_process(load_config("configs/demo.yaml", options), tmp_path / "one")
     torchrun_train(tmp_path / "two", options)
     assert "2 process(es) x 2 micro-batches of 2 per step" in (tmp_path / "two/train.log").read_text()
@@ -102,11 +100,10 @@ def test_two_processes_train_the_same_parameters_and_statistics_as_one(tiny_data
     assert {"best.pt", "oof.npz", "config.yaml"} <= {p.name for p in (tmp_path / "two").iterdir()}
 
 
-def test_the_test_can_fail_syncing_the_first_micro_batch_instead_of_the_last(tiny_data, tmp_path):
+def test_the_test_can_fail_syncing_the_first_micro_batch_instead_of_the_last(data_copy, tmp_path):
     """A control: with the all-reduce on the window's first micro-batch, the last micro-batch's
     gradient stays on its rank, and the comparison above sees it."""
-    data = shutil.copytree(tiny_data, tmp_path / "data")
-    options = [f"data.dir={data}", *OPTIONS, "train.epochs=1"]
+    options = [f"data.dir={data_copy}", *OPTIONS, "train.epochs=1"]
     train_one_process(load_config("configs/demo.yaml", options), tmp_path / "one")
     torchrun_train(tmp_path / "two", options, plant=["--plant-first-sync"])
     one, two = load_checkpoint(tmp_path / "one/last.pt")["model"], load_checkpoint(tmp_path / "two/last.pt")["model"]
@@ -114,10 +111,9 @@ def test_the_test_can_fail_syncing_the_first_micro_batch_instead_of_the_last(tin
     assert (one[name] - two[name]).abs().max() > 1e-4  # far beyond the 1e-9 of the comparison above
 
 
-def test_the_test_can_fail_a_different_effective_batch_trains_other_parameters(tiny_data, tmp_path):
+def test_the_test_can_fail_a_different_effective_batch_trains_other_parameters(data_copy, tmp_path):
     """The comparison above is sharp: one process with half the effective batch differs."""
-    data = shutil.copytree(tiny_data, tmp_path / "data")
-    options = [f"data.dir={data}", *OPTIONS, "train.epochs=1"]
+    options = [f"data.dir={data_copy}", *OPTIONS, "train.epochs=1"]
     train(load_config("configs/demo.yaml", options), tmp_path / "four")
     train(load_config("configs/demo.yaml", [*options, "train.effective_batch=2"]), tmp_path / "two")
     four, two = load_checkpoint(tmp_path / "four/last.pt")["model"], load_checkpoint(tmp_path / "two/last.pt")["model"]

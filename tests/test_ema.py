@@ -1,28 +1,24 @@
 """train.ema: an exponential moving average of the weights, once per optimizer step."""
 
-import shutil
 import signal
 
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.train import Interrupted, train
-from tests.test_interruption import signal_on_call
-from tests.test_train import TINY
+from tests.conftest import TINY, signal_during
 
 DECAY = 0.6
 OPTIONS = [*TINY, f"train.ema={DECAY}"]  # 16 training images, windows of 2 micro-batches of 2: 4 steps an epoch
 
 
-def test_the_average_is_of_the_weights_after_each_step_and_is_what_best_pt_holds(tiny_data, tmp_path, monkeypatch):
+def test_the_average_is_of_the_weights_after_each_step_and_is_what_best_pt_holds(data_copy, tmp_path, monkeypatch):
     """Would catch: an update per micro-batch (8 an epoch instead of 4), another decay or
     formula, saving the training weights as the model, and losing the training weights."""
-    data = shutil.copytree(tiny_data, tmp_path / "data")
     seen = []
     real_update = AveragedModel.update_parameters
 
@@ -31,7 +27,7 @@ def test_the_average_is_of_the_weights_after_each_step_and_is_what_best_pt_holds
         real_update(self, model)
 
     monkeypatch.setattr(AveragedModel, "update_parameters", recording)
-    train(load_config("configs/demo.yaml", [f"data.dir={data}", *OPTIONS]), tmp_path / "run")
+    train(load_config("configs/demo.yaml", [f"data.dir={data_copy}", *OPTIONS]), tmp_path / "run")
     last = load_checkpoint(tmp_path / "run/last.pt")
     assert len(seen) == last["step"] == last["ema_updates"] == 2 * 4
     expected = dict(seen[0])
@@ -44,18 +40,15 @@ def test_the_average_is_of_the_weights_after_each_step_and_is_what_best_pt_holds
     assert not torch.equal(last["model"][head], last["training_model"][head])
 
 
-def test_resume_mid_epoch_restores_the_average_exactly(tiny_data, tmp_path, monkeypatch):
+def test_resume_mid_epoch_restores_the_average_exactly(data_copy, tmp_path, wrap_built_models):
     """Would catch: a resume that restarts the average (n_averaged 0 copies the weights), or
     loads the average into the weights that train."""
-    data = shutil.copytree(tiny_data, tmp_path / "data")
-    options = [f"data.dir={data}", *OPTIONS]
+    options = [f"data.dir={data_copy}", *OPTIONS]
     train(load_config("configs/demo.yaml", options), tmp_path / "straight")
-    real_build = train_module.build_model
-    monkeypatch.setattr(train_module, "build_model",
-                        lambda *a, **k: signal_on_call(real_build(*a, **k), 11, signal.SIGTERM))
+    wrap_built_models(lambda model: signal_during(model, 11, signal.SIGTERM))
     with pytest.raises(Interrupted, match="after window 2 of epoch 2"):
         train(load_config("configs/demo.yaml", options), tmp_path / "stopped")
-    monkeypatch.setattr(train_module, "build_model", real_build)
+    wrap_built_models(None)
     assert main(["train", "--resume", str(tmp_path / "stopped")]) == 0
     straight, resumed = load_checkpoint(tmp_path / "straight/last.pt"), load_checkpoint(tmp_path / "stopped/last.pt")
     assert straight["ema_updates"] == resumed["ema_updates"]

@@ -1,20 +1,19 @@
 """Micro-batch auto, out-of-memory recovery and the memory report."""
 
-import shutil
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.memory import StepMemory, estimate, largest_fitting, resolve_micro_batch
 from cloudseg.engine import StepContext, resilient_step, windows
 from cloudseg.train import train
-from tests.test_accumulation import CPU, Images, assert_same_parameters, model_and_sgd
-from tests.test_train import TINY
+from tests.conftest import assert_same_parameters
+from tests.test_accumulation import CPU, Images, model_and_sgd
+from tests.conftest import TINY
 
 
 def limit_memory(model, limit, after=0):
@@ -57,12 +56,11 @@ def test_oom_at_micro_batch_one_is_raised():
         run_windows(limit_memory(net, limit=0), sgd, micro_batch=2)
 
 
-def test_training_run_that_hits_oom_ends_like_one_that_never_did(tiny_data, tmp_path, monkeypatch, caplog):
-    data = shutil.copytree(tiny_data, tmp_path / "data")
+def test_training_run_that_hits_oom_ends_like_one_that_never_did(data_copy, tmp_path, wrap_built_models, caplog):
+    data = data_copy
     options = [f"data.dir={data}", *TINY, "model.norm=group"]  # no batch statistics: exact comparison
     train(load_config("configs/demo.yaml", options + ["train.micro_batch=1"]), tmp_path / "never")
-    real_build = train_module.build_model
-    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: limit_memory(real_build(*a, **k), 1, after=1))
+    wrap_built_models(lambda model: limit_memory(model, 1, after=1))
     train(load_config("configs/demo.yaml", options + ["train.micro_batch=2"]), tmp_path / "recovered")
     never, recovered = load_checkpoint(tmp_path / "never/last.pt"), load_checkpoint(tmp_path / "recovered/last.pt")
     assert never["step"] == recovered["step"]

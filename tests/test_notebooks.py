@@ -35,7 +35,7 @@ def test_notebooks_execute_on_a_tiny_synthetic_dataset(tiny_data, tmp_path, monk
     from cloudseg.notebooks import execute
     from cloudseg.train import train
     from cloudseg.tune import tune
-    from tests.test_train import TINY
+    from tests.conftest import TINY
 
     data = shutil.copytree(tiny_data, tmp_path / "data")
     run = tmp_path / "runs" / "fold0"

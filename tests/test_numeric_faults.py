@@ -1,20 +1,19 @@
 """A non-finite loss or gradient skips the window, is counted, and K in a row stop the run."""
 
 import copy
-import shutil
 
 import pandas as pd
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.config import load_config
 from cloudseg.engine import StepContext, train_step, windows
 from cloudseg.train import train
-from tests.test_accumulation import CPU, Images, assert_same_parameters, model_and_sgd
-from tests.test_train import TINY
+from tests.conftest import assert_same_parameters
+from tests.test_accumulation import CPU, Images, model_and_sgd
+from tests.conftest import TINY
 
 
 def poison(model, calls_to_poison):
@@ -50,10 +49,9 @@ def test_a_nan_window_makes_no_update(fp16):
     assert not healthy.skipped
 
 
-def test_one_bad_window_is_skipped_and_counted(tiny_data, tmp_path, monkeypatch, caplog):
-    data = shutil.copytree(tiny_data, tmp_path / "data")
-    real_build = train_module.build_model
-    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: poison(real_build(*a, **k), {3}))
+def test_one_bad_window_is_skipped_and_counted(data_copy, tmp_path, wrap_built_models, caplog):
+    data = data_copy
+    wrap_built_models(lambda model: poison(model, {3}))
     train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY]), tmp_path / "run")
     metrics = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert metrics["skipped_windows"].tolist() == [1, 0]  # micro-batch 3 lies in epoch 1's second window
@@ -64,10 +62,9 @@ def test_one_bad_window_is_skipped_and_counted(tiny_data, tmp_path, monkeypatch,
     assert "not finite, window skipped (1 in a row)" in caplog.text
 
 
-def test_k_bad_windows_in_a_row_stop_the_run(tiny_data, tmp_path, monkeypatch):
-    data = shutil.copytree(tiny_data, tmp_path / "data")
-    real_build = train_module.build_model
-    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: poison(real_build(*a, **k), set(range(1, 100))))
+def test_k_bad_windows_in_a_row_stop_the_run(data_copy, tmp_path, wrap_built_models):
+    data = data_copy
+    wrap_built_models(lambda model: poison(model, set(range(1, 100))))
     with pytest.raises(RuntimeError, match="2 windows in a row had a non-finite loss or gradient"):
         train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, "train.max_skipped_windows=2"]), tmp_path / "run")
 

@@ -4,19 +4,17 @@ an ensemble is the average of its members."""
 import logging
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from torch import nn
 
 from cloudseg import predict as predict_module
-from cloudseg import rle
 from cloudseg.config import load_config
 from cloudseg.data import CloudDataset, decode_masks, read_label_csv
 from cloudseg.metrics import evaluate_submission, resize_probs
 from cloudseg.postprocess import postprocess
 from cloudseg.synth import TEST_SOLUTION_CSV, synthesize
-from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SUBMISSION_SHAPE, image_label
+from cloudseg.task import LABELS, SUBMISSION_SHAPE
 
 CONFIG = load_config("configs/demo.yaml", ["data.num_workers=0", "data.image_size=[350,525]"])
 

@@ -12,14 +12,11 @@ from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import ModelConfig, from_dict, load_config
 from cloudseg.model import build_model, train_mode
+from tests.conftest import TINY
 from cloudseg.postprocess import postprocess, remove_small_components
 from cloudseg.predict import write_submission
 from cloudseg.train import train
 
-TINY = [
-    "data.num_workers=0", "data.n_folds=3", "model.decoder_channels=[16,8,8,8,8]",
-    "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1",
-]
 
 
 @pytest.fixture

@@ -228,7 +228,7 @@ def test_nodata_band_augmentation_blacks_out_a_band_and_its_labels():
 def trained(tiny_data, tmp_path_factory):
     from cloudseg.config import load_config
     from cloudseg.train import train
-    from tests.test_train import TINY
+    from tests.conftest import TINY
 
     root = tmp_path_factory.mktemp("ensemble")
     data = shutil.copytree(tiny_data, root / "data")

@@ -70,7 +70,7 @@ def test_show_takes_an_image_id_with_or_without_jpg(tiny_data, tmp_path):
 def test_training_writes_curves_and_tensorboard_events(tiny_data, tmp_path):
     from cloudseg.config import load_config
     from cloudseg.train import train
-    from tests.test_train import TINY
+    from tests.conftest import TINY
 
     data = shutil.copytree(tiny_data, tmp_path / "data")
     train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY]), tmp_path / "run")
