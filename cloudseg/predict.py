@@ -8,6 +8,7 @@ prediction all take their probabilities from `batch_probabilities`.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -132,15 +133,22 @@ def tuned_rule(checkpoints: list[str], postprocess_file: str | None) -> Path | N
     if postprocess_file:
         return Path(postprocess_file)
     parents = {Path(checkpoint).resolve().parent for checkpoint in checkpoints}
-    beside = [parent / RULE_FILE for parent in parents]
-    candidates = beside if len(parents) == 1 else [parent.parent / RULE_FILE for parent in parents]
-    if len(set(candidates)) == 1 and candidates[0].is_file():
-        log.info("post-processing: the tuned rule of %s (--postprocess none turns it off)", candidates[0])
-        return candidates[0]
     if len(parents) == 1:
+        rule = parents.pop() / RULE_FILE
+        if rule.is_file():
+            log.info("post-processing: the tuned rule of %s (--postprocess none turns it off)", rule)
+            return rule
         log.warning("post-processing: no %s beside %s; the config's rule, not tuned (run cloudseg tune)",
                     RULE_FILE, checkpoints[0])
         return None
+    cv_dirs = {parent.parent for parent in parents}
+    if len(cv_dirs) == 1 and all(re.fullmatch(r"fold\d+", parent.name) for parent in parents):  # make cv's folds
+        pooled = cv_dirs.pop() / RULE_FILE
+        if pooled.is_file():
+            log.info("post-processing: the pooled rule of %s (--postprocess none turns it off)", pooled)
+            return pooled
+        raise ValueError(f"the checkpoints are folds of {pooled.parent}, which has no pooled {RULE_FILE}: "
+                         f"run cloudseg tune over them (make tune), or name a rule with --postprocess FILE|none")
     raise ValueError(f"{len(checkpoints)} checkpoints from different runs and no --postprocess: name the rule "
                      f"(e.g. --postprocess CV_DIR/{RULE_FILE} from cloudseg tune over their runs), "
                      "or --postprocess none for the config's")

@@ -120,5 +120,8 @@ def test_which_rule_predict_applies(tmp_path, caplog):
     assert tuned_rule(folds, None) == (tmp_path / "cv" / RULE_FILE).resolve()  # the pooled rule of make cv
     assert tuned_rule([str(tmp_path / "untuned/best.pt")], None) is None  # with a warning: not tuned
     assert "not tuned" in caplog.text
+    (tmp_path / "cv" / RULE_FILE).unlink()
+    with pytest.raises(ValueError, match="folds of .*cv, which has no pooled postprocess.json: run cloudseg tune"):
+        tuned_rule(folds, None)
     with pytest.raises(ValueError, match="checkpoints from different runs and no --postprocess"):
         tuned_rule([str(tmp_path / "alone/best.pt"), str(tmp_path / "untuned/best.pt")], None)

@@ -28,3 +28,21 @@ def test_train_runs_to_the_end_on_a_dozen_images_with_five_folds(n_images, tmp_p
     assert pd.read_csv(run / "metrics.csv")["epoch"].tolist() == [1]
     sizes = pd.read_csv(data / FOLDS_CSV)["fold"].value_counts()
     assert sorted(sizes.index) == [0, 1, 2, 3, 4] and sizes.max() - sizes.min() <= 1
+
+
+@pytest.mark.slow
+def test_two_processes_train_a_dozen_images_with_five_folds(tmp_path):
+    """The 2-process torchrun demo on 12 images runs to the end (short windows, a process with
+    nothing in some windows, a 2- or 3-image validation fold sharded over two processes)."""
+    import os
+    import subprocess
+    import sys
+
+    data = synthesize(tmp_path / "data", n_train=12, n_test=4, height=64, width=96, seed=3)
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "cloudseg", "train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}",
+               "train.epochs=1", "data.num_workers=0", "train.device=cpu", *SMALL_MODEL]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {"best.pt", "oof.npz", "postprocess.json"} <= {p.name for p in run.iterdir()}
