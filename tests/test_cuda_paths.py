@@ -52,6 +52,7 @@ def fake_gpu(monkeypatch, free, reserved, peak_per_image, fixed, oom_above=None)
     `fixed + n × peak_per_image` (out of memory above `oom_above` images)."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0, raising=False)
     probed = []
 
     def measured_peak(model, config, n, image_size, device):
