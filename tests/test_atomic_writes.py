@@ -16,8 +16,9 @@ from cloudseg.task import LABELS
 
 # Writes 1 MiB chunks through atomic_path forever, with the CLI's signal handling, saying when the first one is on disk.
 ENDLESS_WRITER = """
-import sys, time
+import signal, sys, time
 from cloudseg.cli import exit_on_sigterm
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
 from cloudseg.files import atomic_path
 exit_on_sigterm()  # as every cloudseg command does
 with atomic_path(sys.argv[1]) as tmp, open(tmp, "wb") as file:
