@@ -1,0 +1,268 @@
+"""Kaggle-layout datasets that cloudseg was never tuned on: the data of the robustness study.
+
+`cloudseg synth` paints flat-brightness textures in axis-aligned boxes with slanted black
+bands. This generator is a different model on purpose, so that a recipe that only works on
+`cloudseg synth` fails here:
+
+- textures: band-limited noise fields (a ring of spatial frequencies, optionally narrowed
+  to one orientation: stripes and ripples) and blob fields of a given density and size.
+  Every class of a variant has the same mean brightness and contrast: classes differ in
+  texture statistics (scale, orientation, density), never by a brightness offset. Stripe
+  orientations are 0° or 90° only, which the demo's flip augmentation maps to themselves.
+- regions: ellipses, rotated boxes or unions of small boxes, painted with soft edges; the
+  label is the hard region, as a crowd-drawn outline is.
+- label frequencies per class (rare ~15%, common ~70%), every image with at least one label.
+- sizes that are not multiples of 32 and no-data wedges cut from a corner (or none).
+
+Usage: python benchmarks/kaggle_like.py VARIANT --out DIR [--n-train 64 --n-test 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pandas as pd
+
+from cloudseg import rle
+from cloudseg.files import atomic_path
+from cloudseg.metrics import resize_masks
+from cloudseg.synth import TEST_SOLUTION_CSV
+from cloudseg.task import (
+    ID_COLUMN,
+    LABELS,
+    RLE_COLUMN,
+    SAMPLE_SUBMISSION_CSV,
+    TEST_IMAGES,
+    TRAIN_CSV,
+    TRAIN_IMAGES,
+    image_label,
+)
+
+REFERENCE_WIDTH = 525  # texture scales below are in pixels at this width; they scale with the image
+
+
+@dataclass(frozen=True)
+class Texture:
+    """`noise`: band-limited noise of period `period` px (`angle` in degrees narrows it to
+    stripes across that direction); `blobs`: round blobs of radius `period` px, `density` per
+    10,000 px²."""
+
+    kind: str
+    period: float
+    angle: float | None = None
+    density: float = 0.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    textures: dict[str, Texture]
+    frequencies: tuple[float, float, float, float]  # share of images with each class, LABELS order
+    size: tuple[int, int] = (350, 525)
+    shape: str = "ellipse"  # ellipse, rotated_box or box_union
+    region_scale: tuple[float, float] = (0.25, 0.55)  # region extent as a share of the image side
+    wedge_probability: float = 0.0  # share of images with a black no-data wedge
+    contrast: float = 22.0  # texture amplitude (grey levels, std)
+    lift: float = 45.0  # cloud brightness over the sea, equal for every class
+    sea_noise: float = 4.0  # fine sensor noise (grey levels, std)
+    seed: int = 0
+
+
+VARIANTS = {
+    # Four noise scales, ellipses, the Kaggle size, one rare class.
+    "noise-ellipses": Variant(
+        textures={"Fish": Texture("noise", 6), "Flower": Texture("noise", 14),
+                  "Gravel": Texture("noise", 30), "Sugar": Texture("noise", 3)},
+        frequencies=(0.70, 0.15, 0.45, 0.30), size=(350, 525), shape="ellipse", wedge_probability=0.3, seed=11),
+    # Stripes: two orientations x two periods, rotated boxes, smaller images, no wedges.
+    "ripples-rotated": Variant(
+        textures={"Fish": Texture("noise", 8, angle=0), "Flower": Texture("noise", 8, angle=90),
+                  "Gravel": Texture("noise", 20, angle=0), "Sugar": Texture("noise", 20, angle=90)},
+        frequencies=(0.30, 0.70, 0.15, 0.50), size=(280, 420), shape="rotated_box", seed=12),
+    # Blob fields of different densities and sizes, unions of boxes, many wedges.
+    "blobs-union": Variant(
+        textures={"Fish": Texture("blobs", 3, density=40), "Flower": Texture("blobs", 9, density=6),
+                  "Gravel": Texture("blobs", 5, density=20), "Sugar": Texture("blobs", 16, density=2)},
+        frequencies=(0.50, 0.30, 0.70, 0.15), size=(224, 336), shape="box_union", wedge_probability=0.5, seed=13),
+    # One family each, two rare classes, two common ones.
+    "mixed-rare": Variant(
+        textures={"Fish": Texture("noise", 10, angle=0), "Flower": Texture("blobs", 8, density=8),
+                  "Gravel": Texture("noise", 4), "Sugar": Texture("noise", 24)},
+        frequencies=(0.15, 0.15, 0.70, 0.70), size=(320, 480), shape="ellipse", wedge_probability=0.2, seed=14),
+    # Faint textures over a noisy sea, smaller regions: the case of faint false positives.
+    "faint-small": Variant(
+        textures={"Fish": Texture("noise", 5), "Flower": Texture("blobs", 6, density=12),
+                  "Gravel": Texture("noise", 18, angle=90), "Sugar": Texture("noise", 12)},
+        frequencies=(0.70, 0.45, 0.30, 0.15), size=(300, 450), shape="rotated_box",
+        region_scale=(0.18, 0.40), contrast=12.0, lift=22.0, sea_noise=7.0, wedge_probability=0.25, seed=15),
+}
+
+
+def generate(variant: Variant, out_dir, n_train: int = 64, n_test: int = 16) -> Path:
+    """Write train/test images, train.csv, sample_submission.csv and test_solution.csv (test
+    masks at 350×525) in the layout of `cloudseg synth`."""
+    out_dir = Path(out_dir)
+    rng = np.random.default_rng(variant.seed)
+    train_ids = [f"{i:07x}.jpg" for i in range(n_train)]
+    test_ids = [f"{i:07x}.jpg" for i in range(n_train, n_train + n_test)]
+    rows = {TRAIN_IMAGES: [], TEST_IMAGES: []}
+    for split, ids in ((TRAIN_IMAGES, train_ids), (TEST_IMAGES, test_ids)):
+        (out_dir / split).mkdir(parents=True, exist_ok=True)
+        for image_id in ids:
+            image, masks = sample(rng, variant)
+            cv2.imwrite(str(out_dir / split / image_id), cv2.cvtColor(image, cv2.COLOR_RGB2BGR),
+                        [cv2.IMWRITE_JPEG_QUALITY, 92])
+            if split == TEST_IMAGES:
+                masks = resize_masks(masks)  # test truth is scored at submission size
+            rows[split] += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, masks)]
+    sample_rows = [(image_label(i, label), "1 1") for i in test_ids for label in LABELS]
+    # CSVs last: a dataset with a train.csv is a finished one.
+    for name, table in ((TEST_SOLUTION_CSV, rows[TEST_IMAGES]), (SAMPLE_SUBMISSION_CSV, sample_rows),
+                        (TRAIN_CSV, rows[TRAIN_IMAGES])):
+        with atomic_path(out_dir / name) as tmp:
+            pd.DataFrame(table, columns=[ID_COLUMN, RLE_COLUMN]).to_csv(tmp, index=False)
+    return out_dir
+
+
+def sample(rng: np.random.Generator, variant: Variant) -> tuple[np.ndarray, np.ndarray]:
+    """One image (H×W×3 uint8 RGB) and its masks (4×H×W uint8)."""
+    height, width = variant.size
+    present = label_set(rng, variant.frequencies)
+    valid = valid_area(rng, variant)
+    masks = np.zeros((len(LABELS), height, width), np.uint8)
+    for index in np.flatnonzero(present):
+        masks[index] = present_region(rng, variant, valid)
+    unit = width / REFERENCE_WIDTH
+    grey = sea(rng, height, width, unit, variant.sea_noise)
+    soft = [cv2.GaussianBlur(m.astype(np.float32), (0, 0), 6 * unit) for m in masks]  # cloud edges fade
+    grey += variant.lift * np.max(soft, axis=0)
+    for label, mask, alpha in zip(LABELS, masks, soft):
+        if mask.any():
+            grey += variant.contrast * alpha * texture(rng, variant.textures[label], height, width, unit)
+    tint = np.array([0.6, 0.8, 1.0], np.float32)  # blue-grey sea, whiter where brighter
+    image = np.clip(grey[..., None] * tint + np.clip(grey - 60, 0, None)[..., None] * (1 - tint), 0, 255)
+    return (image * valid[..., None]).astype(np.uint8), masks
+
+
+def label_set(rng: np.random.Generator, frequencies) -> np.ndarray:
+    """Which classes an image has: each with its own frequency; an image that drew none gets
+    one class, drawn in proportion to the frequencies (so each share rises by
+    P(none) · p / Σp, see `expected_frequencies`)."""
+    frequencies = np.asarray(frequencies, float)
+    present = rng.random(len(frequencies)) < frequencies
+    if not present.any():
+        present[rng.choice(len(frequencies), p=frequencies / frequencies.sum())] = True
+    return present
+
+
+def expected_frequencies(frequencies) -> np.ndarray:
+    """The share of images with each class that `label_set` gives (at least one label each)."""
+    frequencies = np.asarray(frequencies, float)
+    return frequencies + np.prod(1 - frequencies) * frequencies / frequencies.sum()
+
+
+def present_region(rng, variant: Variant, valid: np.ndarray, tries: int = 50) -> np.ndarray:
+    """A region of the variant's shape with at least 1% of the image outside the no-data area."""
+    for _ in range(tries):
+        mask = region(rng, variant.shape, variant.size, variant.region_scale) & valid
+        if mask.mean() >= 0.01:
+            return mask.astype(np.uint8)
+    raise RuntimeError(f"no region of shape {variant.shape} fits beside the no-data area in {tries} tries")
+
+
+def region(rng, shape: str, size: tuple[int, int], scale: tuple[float, float]) -> np.ndarray:
+    """A bool mask of one label region: an ellipse, a rotated box or a union of 2-4 boxes."""
+    height, width = size
+    canvas = np.zeros(size, np.uint8)
+    extent = rng.uniform(*scale, 2) * (width, height)  # (w, h) in pixels
+    centre = rng.uniform(0.15, 0.85, 2) * (width, height)
+    angle = rng.uniform(0, 180)
+    if shape == "ellipse":
+        cv2.ellipse(canvas, (centre, extent, angle), 1, thickness=-1)
+    elif shape == "rotated_box":
+        cv2.fillPoly(canvas, [cv2.boxPoints((centre, extent, angle)).round().astype(np.int32)], 1)
+    elif shape == "box_union":
+        for _ in range(rng.integers(2, 5)):
+            w, h = extent * rng.uniform(0.4, 0.8, 2)
+            x, y = centre + rng.uniform(-0.5, 0.5, 2) * extent - (w / 2, h / 2)
+            canvas[max(0, int(y)) : max(0, int(y + h)), max(0, int(x)) : max(0, int(x + w))] = 1
+    else:
+        raise ValueError(f"unknown region shape {shape!r}; expected ellipse, rotated_box or box_union")
+    return canvas.astype(bool)
+
+
+def valid_area(rng, variant: Variant) -> np.ndarray:
+    """False inside a black no-data wedge cut from a random corner (on some images)."""
+    height, width = variant.size
+    valid = np.ones(variant.size, np.uint8)
+    if rng.random() < variant.wedge_probability:
+        corner = np.array([rng.integers(2) * width, rng.integers(2) * height])
+        along_x = np.array([abs(corner[0] - rng.uniform(0.2, 0.6) * width), corner[1]])
+        along_y = np.array([corner[0], abs(corner[1] - rng.uniform(0.2, 0.7) * height)])
+        cv2.fillPoly(valid, [np.stack([corner, along_x, along_y]).round().astype(np.int32)], 0)
+    return valid.astype(bool)
+
+
+def sea(rng, height: int, width: int, unit: float, fine_noise: float) -> np.ndarray:
+    """Dark sea: slow swells of brightness plus sensor noise (float32 grey levels)."""
+    swell = 10 * band_noise(rng, height, width, 150 * unit)
+    return (50 + swell + rng.normal(0, fine_noise, (height, width))).astype(np.float32)
+
+
+def texture(rng, spec: Texture, height: int, width: int, unit: float) -> np.ndarray:
+    """A zero-mean, unit-variance texture field (float32 H×W)."""
+    if spec.kind == "noise":
+        return band_noise(rng, height, width, spec.period * unit, spec.angle)
+    if spec.kind == "blobs":
+        return blob_field(rng, height, width, spec.period * unit, spec.density / unit**2)
+    raise ValueError(f"unknown texture kind {spec.kind!r}; expected noise or blobs")
+
+
+def band_noise(rng, height: int, width: int, period: float, angle: float | None = None) -> np.ndarray:
+    """White noise filtered to a log-normal ring around frequency 1/period (octave-wide); with
+    `angle`, also to ±15° around that direction of the wave vector: stripes."""
+    fy = np.fft.fftfreq(height)[:, None]
+    fx = np.fft.rfftfreq(width)[None, :]
+    radius = np.hypot(fy, fx)
+    with np.errstate(divide="ignore"):
+        gain = np.exp(-0.5 * (np.log(radius * period) / 0.35) ** 2)
+    if angle is not None:
+        offset = np.angle(np.exp(2j * (np.arctan2(fy, fx) - np.radians(angle)))) / 2  # orientation mod 180°
+        gain *= np.exp(-0.5 * (offset / np.radians(15)) ** 2)
+    field = np.fft.irfft2(np.fft.rfft2(rng.standard_normal((height, width))) * gain, s=(height, width))
+    return standardize(field)
+
+
+def blob_field(rng, height: int, width: int, radius: float, density: float) -> np.ndarray:
+    """Round blurred blobs of about `radius` px at `density` per 10,000 px², placed at random."""
+    canvas = np.zeros((height, width), np.float32)
+    count = rng.poisson(density * height * width / 10_000)
+    for x, y, r in zip(rng.uniform(0, width, count), rng.uniform(0, height, count),
+                       radius * rng.uniform(0.7, 1.3, count)):
+        cv2.circle(canvas, (int(x), int(y)), max(1, int(r)), 1.0, thickness=-1)
+    return standardize(cv2.GaussianBlur(canvas, (0, 0), max(0.5, radius / 3)))
+
+
+def standardize(field: np.ndarray) -> np.ndarray:
+    field = np.asarray(field, np.float32)
+    return (field - field.mean()) / max(float(field.std()), 1e-6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variant", choices=sorted(VARIANTS))
+    parser.add_argument("--out", required=True, help="folder to write")
+    parser.add_argument("--n-train", type=int, default=64)
+    parser.add_argument("--n-test", type=int, default=16)
+    parser.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="instead of the variant's size")
+    args = parser.parse_args()
+    variant = VARIANTS[args.variant]
+    variant = replace(variant, size=tuple(args.size)) if args.size else variant
+    print(f"wrote {generate(variant, args.out, args.n_train, args.n_test)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Does the two-command demo path beat the all-empty submission on data cloudseg never saw?
+
+For each variant of benchmarks/kaggle_like.py (textures, label shapes, sizes and label
+frequencies unlike `cloudseg synth`): generate a dataset, run exactly what a user runs
+
+    cloudseg train -c configs/demo.yaml --out RUN data.dir=DATA train.epochs=6
+    cloudseg predict --checkpoint RUN/best.pt --out default.csv
+
+and score the submission against the test truth, beside three references: the all-empty
+submission, `predict --postprocess none` (the config's untuned rule), and an explicit
+`cloudseg tune RUN` + `predict --postprocess FILE`. Every variant's data, run directory,
+submissions and command logs stay under --out for inspection.
+
+Usage: python benchmarks/robustness.py [--variants a,b] [--n-train 64] [--n-test 16]
+       [--epochs 6] [--out DIR] [--json FILE] [--size H W] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from cloudseg.data import read_label_csv, read_train_csv
+from cloudseg.metrics import evaluate_submission
+from cloudseg.synth import TEST_SOLUTION_CSV
+from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kaggle_like import VARIANTS, generate  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+MARKER = ".robustness"  # marks a variant folder this script wrote, which a rerun may replace
+COLUMNS = ("all-empty", "untuned", "default", "explicit tune")
+
+
+def cloudseg(*args: str, log: Path) -> None:
+    """Run `python -m cloudseg ARGS` as a user would; its output goes to `log`; a failure says where."""
+    with open(log, "a") as out:
+        out.write(f"$ cloudseg {' '.join(args)}\n")
+        out.flush()
+        done = subprocess.run([sys.executable, "-m", "cloudseg", *args], stdout=out, stderr=subprocess.STDOUT,
+                              cwd=REPO)
+    if done.returncode:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"cloudseg {args[0]} exited with {done.returncode}; see {log}:\n{tail}")
+
+
+def fresh_folder(folder: Path) -> Path:
+    """An empty folder; one left by an earlier run of this script is replaced, anything else refused."""
+    if folder.exists():
+        if not (folder / MARKER).exists():
+            raise FileExistsError(f"{folder} exists and was not written by this script; pick another --out")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / MARKER).touch()
+    return folder
+
+
+def write_all_empty(data_dir: Path, out: Path) -> Path:
+    """The submission that predicts no cloud anywhere: every row of sample_submission.csv, empty."""
+    rows = pd.read_csv(data_dir / SAMPLE_SUBMISSION_CSV, usecols=[ID_COLUMN])
+    rows[RLE_COLUMN] = ""
+    rows.to_csv(out, index=False)
+    return out
+
+
+def label_shares(table: pd.DataFrame) -> list[float]:
+    """Share of images with each class (LABELS order) in a table of RLE strings per image."""
+    return [float(share) for share in table[list(LABELS)].ne("").mean()]
+
+
+def study_variant(name: str, variant, args, root: Path) -> dict:
+    """Generate one variant's data, train, predict four ways and score each; return the figures."""
+    started = time.perf_counter()
+    folder = fresh_folder(root / name)
+    data, run, log = folder / "data", folder / "run", folder / "commands.log"
+    generate(variant, data, args.n_train, args.n_test)
+    cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}",
+             f"train.epochs={args.epochs}", *args.set, log=log)
+    train_seconds = time.perf_counter() - started
+    best = f"{run}/best.pt"
+    cloudseg("predict", "--checkpoint", best, "--out", str(folder / "default.csv"), log=log)
+    cloudseg("predict", "--checkpoint", best, "--out", str(folder / "untuned.csv"), "--postprocess", "none", log=log)
+    cloudseg("tune", str(run), "--out", str(folder / "tuned.json"), log=log)
+    cloudseg("predict", "--checkpoint", best, "--out", str(folder / "explicit.csv"),
+             "--postprocess", str(folder / "tuned.json"), log=log)
+    submissions = dict(zip(COLUMNS, (write_all_empty(data, folder / "all_empty.csv"), folder / "untuned.csv",
+                                     folder / "default.csv", folder / "explicit.csv")))
+    truth = data / TEST_SOLUTION_CSV
+    scores = {column: evaluate_submission(path, truth) for column, path in submissions.items()}
+    return {
+        "variant": name, "size": list(variant.size), "frequencies": list(variant.frequencies),
+        "train_label_shares": label_shares(read_train_csv(data)),
+        "test_label_shares": label_shares(read_label_csv(truth)),
+        "scores": scores, "margin": scores["default"]["dice"] - scores["all-empty"]["dice"],
+        "rule": json.loads((run / "postprocess.json").read_text()),
+        "train_seconds": train_seconds, "seconds": time.perf_counter() - started, "folder": str(folder),
+    }
+
+
+def table(results: list[dict]) -> str:
+    """The study's table: one row per variant (Dice of each submission), then mean and worst case."""
+    header = (f"{'variant':<17}{'size':>9}  {'labels % F/Fl/G/S':<18}"
+              + "".join(f"{c:>15}" for c in COLUMNS) + f"{'margin':>9}{'seconds':>9}")
+    lines = [header]
+    for r in results:
+        labels = "/".join(f"{100 * f:.0f}" for f in r["frequencies"])
+        lines.append(f"{r['variant']:<17}{r['size'][0]:>4}x{r['size'][1]:<4}  {labels:<18}"
+                     + "".join(f"{r['scores'][c]['dice']:>15.4f}" for c in COLUMNS)
+                     + f"{r['margin']:>+9.4f}{r['seconds']:>9.0f}")
+    figures = np.array([[r["scores"][c]["dice"] for c in COLUMNS] + [r["margin"], r["seconds"]] for r in results])
+    worst = figures[np.argmin(figures[:, -2])]  # the variant with the smallest margin over all-empty
+    for label, row in (("mean", figures.mean(axis=0)), ("worst case", worst)):
+        lines.append(f"{label:<17}{'':>9}  {'':<18}" + "".join(f"{v:>15.4f}" for v in row[:-2])
+                     + f"{row[-2]:>+9.4f}{row[-1]:>9.0f}")
+    return "\n".join(lines)
+
+
+def per_class_table(results: list[dict]) -> str:
+    """Test Dice of the default submission per class, and the classes its tuned rule left untouched."""
+    lines = [f"{'variant':<17}" + "".join(f"{label:>9}" for label in LABELS) + "  rule kept (not tuned)"]
+    for r in results:
+        kept = r["rule"].get("kept") or {}
+        lines.append(f"{r['variant']:<17}" + "".join(f"{r['scores']['default'][label]:>9.4f}" for label in LABELS)
+                     + f"  {', '.join(kept) or '-'}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--n-train", type=int, default=64)
+    parser.add_argument("--n-test", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--out", help="folder for every variant's data and run (default: a new one under /tmp)")
+    parser.add_argument("--json", help="also write every figure here")
+    parser.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="every variant at this size (tests)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra training config override, e.g. train.lr=1e-3 (repeatable)")
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    root = Path(args.out or tempfile.mkdtemp(prefix="cloudseg-robustness-"))
+    print(f"robustness of `train -c configs/demo.yaml train.epochs={args.epochs}` + `predict`: "
+          f"{args.n_train} train / {args.n_test} test images per variant, {' '.join(args.set)}\n"
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), load {os.getloadavg()[0]:.1f}; "
+          f"data and runs in {root}", flush=True)
+    results = []
+    for name in args.variants:
+        variant = replace(VARIANTS[name], size=tuple(args.size)) if args.size else VARIANTS[name]
+        results.append(study_variant(name, variant, args, root))
+        print(f"  {name}: default {results[-1]['scores']['default']['dice']:.4f}, all-empty "
+              f"{results[-1]['scores']['all-empty']['dice']:.4f} ({results[-1]['seconds']:.0f} s)", flush=True)
+    print(f"\nmean Dice at 350x525 on the test images (load at end {os.getloadavg()[0]:.1f})")
+    print(table(results))
+    print("\ndefault submission, test Dice per class")
+    print(per_class_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The robustness study (benchmarks/robustness.py) and its data generator (benchmarks/kaggle_like.py)."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from benchmarks.kaggle_like import VARIANTS, expected_frequencies, generate, label_set, sample
+from cloudseg import rle
+from cloudseg.check import check_dataset
+from cloudseg.data import read_label_csv, read_train_csv
+from cloudseg.metrics import resize_masks
+from cloudseg.task import LABELS, SUBMISSION_SHAPE
+
+SMALL = (40, 60)  # not a multiple of 32, like the study's sizes
+
+
+def test_dataset_layout_is_valid_and_masks_decode_at_their_size(tmp_path):
+    """Catches: a layout `cloudseg check` rejects (CSV header, image size or mode), test truth
+    encoded at the image size instead of 350x525, masks that differ from the drawn ones, and
+    ids that differ between sample_submission.csv and test_solution.csv."""
+    variant = replace(VARIANTS["blobs-union"], size=SMALL)
+    data = generate(variant, tmp_path / "d", n_train=6, n_test=3)
+    problems, summary = check_dataset(data, workers=1)
+    assert problems == [] and f"expected image size {SMALL[0]}x{SMALL[1]}" in summary[0]
+    rng = np.random.default_rng(variant.seed)  # the generator's draws, replayed
+    drawn = [sample(rng, variant)[1] for _ in range(9)]
+    train = read_train_csv(data)
+    for masks, (_, row) in zip(drawn[:6], train.iterrows()):
+        assert np.array_equal(np.stack([rle.decode(row[label], SMALL) for label in LABELS]), masks)
+    solution = read_label_csv(data / "test_solution.csv")
+    assert solution.index.equals(read_label_csv(data / "sample_submission.csv").index)
+    for masks, (_, row) in zip(drawn[6:], solution.iterrows()):
+        decoded = np.stack([rle.decode(row[label], SUBMISSION_SHAPE) for label in LABELS])
+        assert np.array_equal(decoded, resize_masks(masks))
+
+
+def test_expected_label_frequencies_by_hand():
+    """P(no label) = 0.3 * 0.85 * 0.55 * 0.7 = 0.098175 is shared in proportion to the frequencies
+    (sum 1.6). Catches a formula that forgets the at-least-one-label rule or shares it evenly."""
+    expected = [0.7 + 0.098175 * 0.7 / 1.6, 0.15 + 0.098175 * 0.15 / 1.6,
+                0.45 + 0.098175 * 0.45 / 1.6, 0.3 + 0.098175 * 0.3 / 1.6]
+    assert np.allclose(expected_frequencies((0.7, 0.15, 0.45, 0.3)), expected)
+
+
+@pytest.mark.parametrize("name", ["noise-ellipses", "mixed-rare"])
+def test_label_draws_follow_the_requested_frequencies(name):
+    """2,000 label sets (no images): every one has a label and each class's share is within
+    3.5 standard errors of the expected share. Catches frequencies ignored (a fixed 0.45 as in
+    cloudseg synth), shuffled between classes, or an empty draw always filled with one class."""
+    frequencies = VARIANTS[name].frequencies
+    rng = np.random.default_rng(0)
+    draws = np.array([label_set(rng, frequencies) for _ in range(2000)])
+    assert draws.any(axis=1).all()
+    expected = expected_frequencies(frequencies)
+    tolerance = 3.5 * np.sqrt(expected * (1 - expected) / len(draws))
+    assert np.all(np.abs(draws.mean(axis=0) - expected) < tolerance), (draws.mean(axis=0), expected)
+
+
+def test_drawn_images_keep_every_label_out_of_the_no_data_area():
+    """Whole samples: each drawn class keeps a region outside the black wedge, none inside it.
+    Catches labels under the wedge and classes the wedge erased (an image with no label)."""
+    variant = replace(VARIANTS["blobs-union"], size=(48, 72), wedge_probability=1.0)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        image, masks = sample(rng, variant)
+        black = (image == 0).all(axis=-1)
+        assert black.sum() > 0.02 * black.size and masks.any()
+        assert not masks[:, black].any()
+
+
+def test_script_prints_the_table_with_every_column(tmp_path):
+    """One variant at a tiny size through the real commands (slow: five cloudseg processes).
+    Catches a missing column or summary row, and an all-empty submission that is not empty:
+    its Dice must be the share of empty (image, label) pairs in the test truth."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/robustness.py", "--variants", "blobs-union", "--n-train", "12", "--n-test", "4",
+         "--epochs", "1", "--size", *map(str, SMALL), "--out", str(tmp_path / "study"),
+         "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=900, check=True).stdout
+    header = next(line for line in out.splitlines() if line.startswith("variant") and "margin" in line)
+    for column in ("size", "labels", "all-empty", "untuned", "default", "explicit tune", "margin", "seconds"):
+        assert column in header
+    assert any(line.startswith("blobs-union") and f"{SMALL[0]}x{SMALL[1]}" in line for line in out.splitlines())
+    assert any(line.startswith("mean") for line in out.splitlines())
+    assert any(line.startswith("worst case") for line in out.splitlines())
+    result = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    truth = read_label_csv(tmp_path / "study/blobs-union/data/test_solution.csv")
+    assert result["scores"]["all-empty"]["dice"] == pytest.approx(truth.eq("").to_numpy().mean())
+    assert result["margin"] == pytest.approx(result["scores"]["default"]["dice"] - truth.eq("").to_numpy().mean())
