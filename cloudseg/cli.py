@@ -165,18 +165,23 @@ def run_folds(args) -> None:
     print(present.round(3).to_string())
 
 
-def run_check(args) -> int:
-    from cloudseg.check import check_dataset
-
-    problems, summary = check_dataset(args.data_dir, args.image_size, args.workers)
-    print("\n".join(summary))
+def print_report(lines: list[str], problems: list[str]) -> int:
+    """The report of `check` and `doctor`: its lines, then every problem; exit status 1 if any."""
+    print("\n".join(lines))
     if not problems:
         print("no problems found")
         return 0
     print(f"{len(problems)} problem(s):")
     for problem in problems:
-        print(f"  {problem.message}")
+        print(f"  {problem}")
     return 1
+
+
+def run_check(args) -> int:
+    from cloudseg.check import check_dataset
+
+    problems, summary = check_dataset(args.data_dir, args.image_size, args.workers)
+    return print_report(summary, [problem.message for problem in problems])
 
 
 def run_train(args) -> int | None:
@@ -281,11 +286,4 @@ def run_doctor(args) -> int:
     from cloudseg.hardware import doctor
 
     lines, problems = doctor()
-    print("\n".join(lines))
-    if not problems:
-        print("no problems found")
-        return 0
-    print(f"{len(problems)} problem(s):")
-    for problem in problems:
-        print(f"  {problem}")
-    return 1
+    return print_report(lines, problems)
