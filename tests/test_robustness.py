@@ -72,6 +72,7 @@ def test_drawn_images_keep_every_label_out_of_the_no_data_area():
         assert not masks[:, black].any()
 
 
+@pytest.mark.slow  # a training, three predictions and a tune: run with make test-all
 def test_script_prints_the_table_with_every_column(tmp_path):
     """One variant at a tiny size through the real commands (slow: five cloudseg processes).
     Catches a missing column or summary row, and an all-empty submission that is not empty:
