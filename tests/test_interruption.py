@@ -75,6 +75,7 @@ def test_progress_round_trips_through_plain_types_and_reads_the_earlier_unversio
         Progress.from_dict({**raw, "version": 99})
 
 
+@pytest.mark.slow  # several training runs: make test-all
 def test_a_stop_during_validation_or_the_out_of_fold_pass_is_honoured_within_a_batch(data_copy, tmp_path,
                                                                                      wrap_built_models):
     """Would catch: a stop that waits for validation (and a save and one more window) to
@@ -99,6 +100,7 @@ def test_a_stop_during_validation_or_the_out_of_fold_pass_is_honoured_within_a_b
             assert np.array_equal(x["probs"], y["probs"]) and np.array_equal(x["image_ids"], y["image_ids"])
 
 
+@pytest.mark.slow  # several training runs: make test-all
 def test_fp16_resume_mid_epoch_restores_the_grad_scaler_and_continues_bit_exactly(data_copy, tmp_path, wrap_built_models):
     """The pre-Ampere path (fp16 + GradScaler) on the CPU. Would catch: a checkpoint without
     the scaler state (the resumed scaler would restart at 65536 with no growth count), and a
