@@ -29,6 +29,9 @@ TRAIN   := $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --npr
 RUN     ?= $(patsubst %/,%,$(firstword $(foreach d,$(shell ls -td runs/*/ 2>/dev/null),$(if $(wildcard $(d)best.pt),$(d)))))
 SUBMISSION ?= submission.csv
 
+# make test: one pytest-xdist worker per core (auto); TEST_WORKERS=0 runs the tests in one process.
+TEST_WORKERS ?= auto
+
 # make cv / make submit: one run per fold under CV_DIR, tuned together.
 FOLDS   ?= 0 1 2 3 4
 CV_DIR  ?= runs/cv
@@ -75,10 +78,10 @@ endif
 	touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 test-all: $(STAMP)
-	$(PY) -m pytest -m ''
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m ''
 
 bench: $(STAMP)
 	$(PY) benchmarks/rle_speed.py

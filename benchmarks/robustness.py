@@ -12,7 +12,7 @@ submission, `predict --postprocess none` (the config's untuned rule), and an exp
 submissions and command logs stay under --out for inspection.
 
 Usage: python benchmarks/robustness.py [--variants a,b] [--n-train 64] [--n-test 16]
-       [--epochs 6] [--out DIR] [--json FILE] [--size H W] [--set key=value ...]
+       [--epochs 6] [--out DIR] [--json FILE] [--size H W] [--seed-offset K] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="folder for every variant's data and run (default: a new one under /tmp)")
     parser.add_argument("--json", help="also write every figure here")
     parser.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="every variant at this size (tests)")
+    parser.add_argument("--seed-offset", type=int, default=0,
+                        help="add this to every variant's seed: fresh images and labels of the same kinds, "
+                             "to check a recipe on draws it was not chosen on")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra training config override, e.g. train.lr=1e-3 (repeatable)")
     args = parser.parse_args(argv)
@@ -162,12 +165,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     root = Path(args.out or tempfile.mkdtemp(prefix="cloudseg-robustness-"))
     print(f"robustness of `train -c configs/demo.yaml train.epochs={args.epochs}` + `predict`: "
-          f"{args.n_train} train / {args.n_test} test images per variant, {' '.join(args.set)}\n"
+          f"{args.n_train} train / {args.n_test} test images per variant, seed offset {args.seed_offset} "
+          f"{' '.join(args.set)}\n"
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), load {os.getloadavg()[0]:.1f}; "
           f"data and runs in {root}", flush=True)
     results = []
     for name in args.variants:
-        variant = replace(VARIANTS[name], size=tuple(args.size)) if args.size else VARIANTS[name]
+        variant = replace(VARIANTS[name], seed=VARIANTS[name].seed + args.seed_offset)
+        variant = replace(variant, size=tuple(args.size)) if args.size else variant
         results.append(study_variant(name, variant, args, root))
         print(f"  {name}: default {results[-1]['scores']['default']['dice']:.4f}, all-empty "
               f"{results[-1]['scores']['all-empty']['dice']:.4f} ({results[-1]['seconds']:.0f} s)", flush=True)

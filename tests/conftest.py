@@ -10,6 +10,13 @@ import torch
 from cloudseg import train as train_module
 from cloudseg.synth import synthesize
 
+# Tests train on tiny images, where a second intra-op thread costs more in synchronisation than
+# it gains (one tiny training on the 2-core VM: 3.7 s on one thread, 13 s on two while another
+# job ran); `make test` runs one pytest worker per core instead. The variable reaches the CLI and
+# torchrun subprocesses.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+
 TINY_SHAPE = (64, 96)
 
 TINY = [  # a training run in seconds on the tiny dataset: 16 train and 8 validation images
