@@ -130,12 +130,12 @@ def table(results: list[dict]) -> str:
 
 
 def per_class_table(results: list[dict]) -> str:
-    """Test Dice of the default submission per class, and the classes its tuned rule left untouched."""
-    lines = [f"{'variant':<17}" + "".join(f"{label:>9}" for label in LABELS) + "  rule kept (not tuned)"]
+    """Test Dice of the default submission per class, and each class's pooled share in its rule."""
+    lines = [f"{'variant':<17}" + "".join(f"{label:>9}" for label in LABELS) + "  pooled share F/Fl/G/S"]
     for r in results:
-        kept = r["rule"].get("kept") or {}
+        shares = "/".join(f"{100 * r['rule']['pooled_weight'][label]:.0f}" for label in LABELS)
         lines.append(f"{r['variant']:<17}" + "".join(f"{r['scores']['default'][label]:>9.4f}" for label in LABELS)
-                     + f"  {', '.join(kept) or '-'}")
+                     + f"  {shares} %")
     return "\n".join(lines)
 
 

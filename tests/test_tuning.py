@@ -1,5 +1,6 @@
 """Out-of-fold files, the post-processing search, ensembles and no-data bands."""
 
+import copy
 import json
 import shutil
 
@@ -16,7 +17,8 @@ from cloudseg.metrics import dice
 from cloudseg.oof import read_oof, write_oof
 from cloudseg.postprocess import GATES, MIN_AREAS, RULE_KEYS, THRESHOLDS, grid_scores, postprocess, quantize, top_k_mean
 from cloudseg.predict import BLACK_LEVEL, no_data, predict_probs
-from cloudseg.tune import search_rule, tune
+from cloudseg.task import LABELS
+from cloudseg.tune import RuleSearch, search_rule, tune
 
 SHAPE = (350, 525)
 
@@ -66,7 +68,10 @@ def planted(n, threshold, seed=0):
 RUN_RULE = {"threshold": [0.5] * 4, "min_area": [0] * 4, "gate": [0.0] * 4}  # Config's defaults
 
 
-def test_tune_recovers_a_planted_threshold_and_never_lowers_the_cv_dice(tmp_path, capsys):
+def test_tune_recovers_a_planted_threshold_and_reports_each_class_s_pooled_share(tmp_path, capsys):
+    """Catches a search that misses the planted rule, a pooled share not computed from the smaller
+    of each class's image counts (Fish: 6 with, 6 without -> 5/11; Flower: none with it -> 1;
+    Sugar: in every image -> 1), and a table that does not say which classes lean on the pool."""
     probs8, truth = planted(12, threshold=0.59)
     ids = [f"{i}.jpg" for i in range(12)]
     order = np.random.default_rng(0).permutation(12)  # both folds hold images with and without the class
@@ -75,21 +80,20 @@ def test_tune_recovers_a_planted_threshold_and_never_lowers_the_cv_dice(tmp_path
     assert main(["tune", *map(str, runs)]) == 0
     out = capsys.readouterr().out
     assert "CV before" in out and "12 out-of-fold images from 2 run(s)" in out
-    assert "Flower: kept the run's rule (0 image(s) with it and 12 without" in out
+    assert "Flower: 0 image(s) with it and 12 without, so its rule is 100% the four classes' pooled Dice" in out
     result = json.loads((tmp_path / "postprocess.json").read_text())
-    assert result["threshold"][0] == 0.59 and result["threshold"][2] == 0.59
+    assert result["threshold"] == [0.59] * 4  # Fish and Gravel by their own images, Flower and Sugar by the pool
     assert result["cv_dice"]["after"]["Fish"] == pytest.approx(1.0)
-    for label in ("Fish", "Flower", "Gravel", "Sugar", "mean"):
+    for label in ("Fish", "Gravel"):
         assert result["cv_dice"]["after"][label] >= result["cv_dice"]["before"][label]
-    assert sorted(result["kept"]) == ["Flower", "Sugar"]  # absent from every image / present in every image
+    assert result["pooled_weight"] == pytest.approx({"Fish": 5 / 11, "Flower": 1.0, "Gravel": 5 / 11, "Sugar": 1.0})
 
 
 def test_untuned_rule_is_part_of_the_grid(tmp_path):
-    """A run whose own rule is off the grid is still scored exactly, so tuning cannot lose."""
+    """A run whose own rule is off the grid is still scored exactly, so it can win where it is best."""
     probs8, truth = planted(12, threshold=0.5)
     run = fake_run(tmp_path / "run", [f"{i}.jpg" for i in range(12)], probs8, truth, threshold=[0.501] * 4)
     result = tune([run], tmp_path / "p.json")
-    assert result["kept"].keys() == {"Flower", "Sugar"}  # Fish and Gravel were searched
     masks = postprocess(probs8, [0.501] * 4, [0] * 4)
     expected = dice(masks, truth).mean(0)
     assert [result["cv_dice"]["before"][k] for k in ("Fish", "Flower", "Gravel", "Sugar")] == pytest.approx(expected)
@@ -100,7 +104,9 @@ def test_tune_reads_the_rule_from_config_yaml_and_names_it_when_missing(tmp_path
     probs8, truth = planted(4, threshold=0.5)
     run = fake_run(tmp_path / "run", [f"{i}.jpg" for i in range(4)], probs8, truth, threshold=[0.7] * 4)
     result = tune([run], tmp_path / "p.json")
-    assert result["threshold"] == [0.7] * 4  # 4 images: the guard keeps the run's rule for every class
+    expected = dice(postprocess(probs8, [0.7] * 4, [0] * 4), truth).mean(0)
+    assert [result["cv_dice"]["before"][k] for k in ("Fish", "Flower", "Gravel", "Sugar")] == pytest.approx(expected)
+    assert expected[0] != pytest.approx(dice(postprocess(probs8, [0.5] * 4, [0] * 4), truth).mean(0)[0])
     (run / "config.yaml").unlink()
     with pytest.raises(FileNotFoundError, match="run/config.yaml"):
         tune([run], tmp_path / "p.json")
@@ -117,37 +123,67 @@ def sparse_positives(n_with, n_without, seed=0):
     return probs8, truth
 
 
-def test_a_class_absent_from_the_fold_keeps_the_runs_rule_not_always_empty():
+GRID = [sorted(set(values) | {current}) for values, current in zip((THRESHOLDS, MIN_AREAS, GATES), (0.5, 0, 0.0))]
+
+
+def rule_at(index):
+    return [values[i] for values, i in zip(GRID, index)]
+
+
+def test_a_class_absent_from_the_fold_takes_the_pooled_rule_not_always_empty():
     """Catches a search without the guard: where the class never occurs, any rule that empties every
-    mask scores a perfect 1, and the plain argmax picks one ("always empty")."""
+    mask scores a perfect 1, and the plain argmax picks one ("always empty"). Flower has no images
+    with it, so its rule is the best of the four classes' mean Dice, computed here from grid_scores."""
     probs8, truth = planted(12, threshold=0.59)  # Flower: confident probabilities, never in the truth
-    unguarded = search_rule(probs8, truth, RUN_RULE, min_images=0)
+    unguarded = search_rule(probs8, truth, RUN_RULE, prior_images=0)
     flower = [unguarded[key][1] for key in RULE_KEYS]
     assert unguarded["cv_dice"]["after"]["Flower"] == 1.0  # the unguarded rule ...
     assert not postprocess(probs8[:, 1:2].repeat(4, 1), *([v] * 4 for v in flower))[:, 0].any()  # ... empties all
     guarded = search_rule(probs8, truth, RUN_RULE)
-    assert [guarded[key][1] for key in RULE_KEYS] == [0.5, 0, 0.0]
-    assert guarded["kept"]["Flower"].startswith("0 image(s) with it and 12 without")
-    assert guarded["cv_dice"]["before"]["Flower"] == guarded["cv_dice"]["after"]["Flower"] < 0.5
+    pooled = np.mean([grid_scores(probs8[:, c], truth[:, c], *GRID) for c in range(4)], axis=0)
+    assert [guarded[key][1] for key in RULE_KEYS] == rule_at(np.unravel_index(np.argmax(pooled), pooled.shape))
+    assert [guarded[key][1] for key in RULE_KEYS] == [0.59, 0, 0.0]  # the other classes' planted rule
+    assert guarded["pooled_weight"]["Flower"] == 1.0
 
 
-def test_with_enough_images_of_each_kind_the_guard_changes_nothing():
-    """Catches a guard that fires with enough images (e.g. counting pixels, or `>` for `>=`), or a
-    tie-break that moves a unique best: the result is the plain argmax of grid_scores."""
-    fields = smooth_probs(10, seed=5)
-    truth = (fields > 0.6)[:, None].repeat(4, 1)
-    truth[:5] = False  # 5 images without each class, 5 with it: exactly the minimum
-    probs = 0.75 * fields + 0.25 * smooth_probs(10, seed=6)  # a model that is right, roughly
-    probs[:5] *= 0.8
-    probs8 = quantize(probs)[:, None].repeat(4, 1)
-    result = search_rule(probs8, truth, RUN_RULE)
-    assert result["kept"] == {}
-    grid = [sorted(set(values) | {current}) for values, current in zip((THRESHOLDS, MIN_AREAS, GATES), (0.5, 0, 0.0))]
+def planted_per_class(n, thresholds, seed=0):
+    """Each class c: truth is exactly `p > thresholds[c]` in the first half of the images, none in
+    the second (probabilities below the threshold): class c's own best rule is thresholds[c]."""
+    probs8 = np.zeros((n, 4, *SHAPE), np.uint8)
+    half = n // 2
+    for c, threshold in enumerate(thresholds):
+        probs8[:half, c] = quantize(smooth_probs(half, seed + c))
+        probs8[half:, c] = quantize(0.95 * threshold * smooth_probs(n - half, seed + 10 + c))
+    truth = probs8 > np.array(thresholds)[None, :, None, None] * 255
+    truth[half:] = False
+    return probs8, truth
+
+
+def test_each_class_leans_on_the_pool_by_its_evidence_and_follows_its_own_data_given_many_images():
+    """Fish planted at 0.32, the other classes at 0.59; 2 images with and 2 without each class. The
+    choice must be the argmax of (2·own + 5·pooled), computed here from grid_scores, which takes
+    Fish to the pool's 0.59; with the same images 40 times over (evidence 80, pooled share 5/85)
+    Fish takes its own 0.32. Catches a pooled share that ignores the evidence (or counts all
+    images instead of the rarer kind), a blend with the wrong sign, and a guard that still
+    overrides many images."""
+    thresholds = (0.32, 0.59, 0.59, 0.59)
+    probs8, truth = planted_per_class(4, thresholds)
+    search = RuleSearch(RUN_RULE)
+    search.add(probs8, truth)
+    few = search.result()
+    own = np.stack([grid_scores(probs8[:, c], truth[:, c], *GRID) for c in range(4)])
+    pooled = own.mean(axis=0)
     for c in range(4):
-        scores = grid_scores(probs8[:, c], truth[:, c], *grid)
-        assert (scores == scores.max()).sum() == 1  # a unique best, so any tie-break agrees
-        best = np.unravel_index(np.argmax(scores), scores.shape)
-        assert [result[key][c] for key in RULE_KEYS] == [values[i] for values, i in zip(grid, best)]
+        blended = (2 * own[c] + 5 * pooled) / 7
+        expected = rule_at(np.unravel_index(np.argmax(blended), blended.shape))
+        assert [few[key][c] for key in RULE_KEYS] == expected
+        assert few["pooled_weight"][LABELS[c]] == pytest.approx(5 / 7)
+    assert few["threshold"] == [0.59] * 4  # the pool moved Fish off its own best
+    search.merge([copy.deepcopy(search) for _ in range(39)])
+    many = search.result()
+    assert many["images"] == 160 and many["pooled_weight"]["Fish"] == pytest.approx(5 / 85)
+    assert many["threshold"] == list(thresholds)  # (the pool still breaks Fish's ties: a gate it does not need)
+    assert many["cv_dice"]["after"] == pytest.approx({"mean": 1.0, **dict.fromkeys(LABELS, 1.0)})
 
 
 def test_ties_go_to_the_rule_that_removes_least():
@@ -158,10 +194,8 @@ def test_ties_go_to_the_rule_that_removes_least():
     result = search_rule(probs8, truth, RUN_RULE)
     assert [result[key][0] for key in RULE_KEYS] == [0.32, 0, 0.0]
     assert result["cv_dice"]["after"]["Fish"] == 1.0
-    grid = [sorted(set(values) | {current}) for values, current in zip((THRESHOLDS, MIN_AREAS, GATES), (0.5, 0, 0.0))]
-    scores = grid_scores(probs8[:, 0], truth[:, 0], *grid)
-    first = np.unravel_index(np.argmax(scores), scores.shape)
-    assert [values[i] for values, i in zip(grid, first)] != [0.32, 0, 0.0]  # the argmax would not
+    scores = grid_scores(probs8[:, 0], truth[:, 0], *GRID)
+    assert rule_at(np.unravel_index(np.argmax(scores), scores.shape)) != [0.32, 0, 0.0]  # the argmax would not
 
 
 def test_runs_sharing_an_image_cannot_be_pooled(tmp_path):
