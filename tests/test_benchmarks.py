@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=True).stdout
@@ -28,3 +30,13 @@ def test_rle_benchmark_prints_its_table():
 def test_tuning_benchmark_prints_its_table():
     out = run("benchmarks/tune_speed.py", "--images", "4")
     assert "total" in out and "Sugar" in out
+
+
+@pytest.mark.slow  # four trainings and predictions: run with make test-all
+def test_recipes_benchmark_prints_one_row_per_option(tmp_path):
+    """Catches an option that is not trained or not scored (a missing row or a Dice outside [0, 1])."""
+    out = run("benchmarks/recipes.py", "--epochs", "1", "--n-train", "12", "--n-test", "4", "--size", "64", "96",
+              "--out", str(tmp_path / "r"))
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-4:]}
+    assert set(rows) == {"unet", "ema", "fpn", "unetplusplus"}
+    assert all(0 <= float(row[3]) <= 1 and 0 <= float(row[4]) <= 1 for row in rows.values())
