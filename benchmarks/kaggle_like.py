@@ -25,22 +25,9 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import pandas as pd
 
-from cloudseg import rle
-from cloudseg.files import atomic_path
-from cloudseg.metrics import resize_masks
-from cloudseg.synth import TEST_SOLUTION_CSV
-from cloudseg.task import (
-    ID_COLUMN,
-    LABELS,
-    RLE_COLUMN,
-    SAMPLE_SUBMISSION_CSV,
-    TEST_IMAGES,
-    TRAIN_CSV,
-    TRAIN_IMAGES,
-    image_label,
-)
+from cloudseg.synth import write_dataset
+from cloudseg.task import LABELS
 
 REFERENCE_WIDTH = 525  # texture scales below are in pixels at this width; they scale with the image
 
@@ -104,27 +91,8 @@ VARIANTS = {
 def generate(variant: Variant, out_dir, n_train: int = 64, n_test: int = 16) -> Path:
     """Write train/test images, train.csv, sample_submission.csv and test_solution.csv (test
     masks at 350×525) in the layout of `cloudseg synth`."""
-    out_dir = Path(out_dir)
     rng = np.random.default_rng(variant.seed)
-    train_ids = [f"{i:07x}.jpg" for i in range(n_train)]
-    test_ids = [f"{i:07x}.jpg" for i in range(n_train, n_train + n_test)]
-    rows = {TRAIN_IMAGES: [], TEST_IMAGES: []}
-    for split, ids in ((TRAIN_IMAGES, train_ids), (TEST_IMAGES, test_ids)):
-        (out_dir / split).mkdir(parents=True, exist_ok=True)
-        for image_id in ids:
-            image, masks = sample(rng, variant)
-            cv2.imwrite(str(out_dir / split / image_id), cv2.cvtColor(image, cv2.COLOR_RGB2BGR),
-                        [cv2.IMWRITE_JPEG_QUALITY, 92])
-            if split == TEST_IMAGES:
-                masks = resize_masks(masks)  # test truth is scored at submission size
-            rows[split] += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, masks)]
-    sample_rows = [(image_label(i, label), "1 1") for i in test_ids for label in LABELS]
-    # CSVs last: a dataset with a train.csv is a finished one.
-    for name, table in ((TEST_SOLUTION_CSV, rows[TEST_IMAGES]), (SAMPLE_SUBMISSION_CSV, sample_rows),
-                        (TRAIN_CSV, rows[TRAIN_IMAGES])):
-        with atomic_path(out_dir / name) as tmp:
-            pd.DataFrame(table, columns=[ID_COLUMN, RLE_COLUMN]).to_csv(tmp, index=False)
-    return out_dir
+    return write_dataset(out_dir, lambda: sample(rng, variant), n_train, n_test, jpeg_quality=92)
 
 
 def sample(rng: np.random.Generator, variant: Variant) -> tuple[np.ndarray, np.ndarray]:

@@ -37,17 +37,24 @@ CLOUD_BRIGHTNESS = {"Fish": 110, "Flower": 80, "Gravel": 140, "Sugar": 60}
 
 def synthesize(out_dir, n_train=64, n_test=16, height=IMAGE_SHAPE[0], width=IMAGE_SHAPE[1], seed=0) -> Path:
     """Write train/test images, train.csv, sample_submission.csv and test_solution.csv."""
-    out_dir = Path(out_dir)
     rng = np.random.default_rng(seed)
+    return write_dataset(out_dir, lambda: sample(rng, height, width), n_train, n_test)
+
+
+def write_dataset(out_dir, draw, n_train: int, n_test: int, jpeg_quality: int = 95) -> Path:
+    """The Kaggle layout from `draw()` (an H×W×3 uint8 RGB image and its 4×H×W masks), called
+    for the train images, then the test images: JPEGs, train.csv, sample_submission.csv, and
+    test_solution.csv with the test masks at 350×525. Also benchmarks/kaggle_like.py's writer."""
+    out_dir = Path(out_dir)
     train_ids = [f"{i:07x}.jpg" for i in range(n_train)]
     test_ids = [f"{i:07x}.jpg" for i in range(n_train, n_train + n_test)]
     train_rows, solution_rows = [], []
     for split, ids, rows in ((TRAIN_IMAGES, train_ids, train_rows), (TEST_IMAGES, test_ids, solution_rows)):
         (out_dir / split).mkdir(parents=True, exist_ok=True)
         for image_id in tqdm(ids, desc=f"synth {split}", leave=False, disable=None):
-            image, masks = sample(rng, height, width)
+            image, masks = draw()
             cv2.imwrite(str(out_dir / split / image_id), cv2.cvtColor(image, cv2.COLOR_RGB2BGR),
-                        [cv2.IMWRITE_JPEG_QUALITY, 95])
+                        [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality])
             if split == TEST_IMAGES:
                 masks = resize_masks(masks)  # test truth is scored at submission size
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, masks)]
