@@ -154,9 +154,10 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
     scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
-    start_epoch, history, progress = 0, [], None
+    start_epoch, history, progress, saved = 0, [], None, None
     if resume:
-        start_epoch, history, progress = restore(run_dir / "last.pt", model=model, optimizer=optimizer,
+        saved = load_checkpoint(run_dir / "last.pt")
+        start_epoch, history, progress = restore(saved, run_dir / "last.pt", model=model, optimizer=optimizer,
                                                  scheduler=scheduler, scaler=scaler)
     elif distributed.is_main():
         create_run_dir(run_dir, config, train_set.skipped)
@@ -164,7 +165,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     run = assemble(config, run_dir, step, scheduler, (train_set, valid_set))
     run.history, run.ema = history, averaged(model, config.train.ema)
     if resume and run.ema is not None:
-        restore_ema(run_dir / "last.pt", model, run.ema)
+        restore_ema(saved, run_dir / "last.pt", model, run.ema)
     return run, start_epoch, progress
 
 
@@ -177,10 +178,10 @@ def averaged(model: CloudNet, decay: float | None) -> AveragedModel | None:
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
 
 
-def restore_ema(path: Path, model: CloudNet, ema: AveragedModel) -> None:
+def restore_ema(state: dict, path: Path, model: CloudNet, ema: AveragedModel) -> None:
     """With train.ema, a checkpoint's "model" is the average: the weights that train are under
-    "training_model", and the number of averaged steps under "ema_updates"."""
-    state = load_checkpoint(path)
+    "training_model", and the number of averaged steps under "ema_updates". `state` is the
+    checkpoint loaded from `path` (named in errors)."""
     if "training_model" not in state:
         raise ValueError(f"{path}: saved without train.ema, cannot resume with it (or set train.ema=null)")
     ema.module.load_state_dict(state["model"])
@@ -344,10 +345,9 @@ def evaluated(run: Run) -> CloudNet:
     return run.model if run.ema is None else run.ema.module
 
 
-def restore(path: Path, **parts) -> tuple[int, list[dict], Progress | None]:
-    """Load each part's state and the RNG states from a checkpoint; returns (epoch to run,
-    metrics so far, progress within that epoch or None)."""
-    state = load_checkpoint(path)
+def restore(state: dict, path: Path, **parts) -> tuple[int, list[dict], Progress | None]:
+    """Load each part's state and the RNG states from a checkpoint (`state`, loaded from `path`);
+    returns (epoch to run, metrics so far, progress within that epoch or None)."""
     for name, part in parts.items():
         part.load_state_dict(state[name])
     restore_rng_states(state["rng"])
