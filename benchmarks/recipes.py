@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from cloudseg.loss import per_image_loss
 from cloudseg.metrics import evaluate_submission
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.synth import TEST_SOLUTION_CSV, synthesize
+from cloudseg.train import averaged
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from robustness import DEMO_CONFIG, cloudseg  # noqa: E402
@@ -71,9 +71,7 @@ def interleaved_step_seconds(names: list[str], size: tuple[int, int]) -> dict[st
         config = load_config(DEMO_CONFIG, OPTIONS[name])
         model = prepare_for_training(build_model(config.model, pretrained=False).train(), config.train.channels_last,
                                      "none")
-        ema = torch.optim.swa_utils.AveragedModel(
-            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(config.train.ema),
-            use_buffers=True) if config.train.ema else None
+        ema = averaged(model, config.train.ema)
         steps[name] = (model, ema, config.train.micro_batch, config.train.accumulation_for(1))
     images = {name: torch.randint(0, 256, (micro, 3, *size), dtype=torch.uint8) for name, (_, _, micro, _) in steps.items()}
     masks = {name: (torch.rand(len(batch), 4, *size) < 0.3).to(torch.uint8) for name, batch in images.items()}

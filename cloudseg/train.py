@@ -45,7 +45,7 @@ from cloudseg.postprocess import RULE_FILE, postprocess, quantize, write_rule_fi
 from cloudseg.predict import batch_probabilities
 from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
 from cloudseg.task import LABELS
-from cloudseg.tune import NOTE_WEIGHT, RuleSearch, pooled_note, search_rule
+from cloudseg.tune import RuleSearch, pooled_notes, search_rule
 from cloudseg.viz import plot_curves
 
 log = logging.getLogger("cloudseg")
@@ -411,9 +411,8 @@ def tune_run(run_dir: Path, probs8: np.ndarray, truth: np.ndarray, config: Confi
     log.info("tuned the post-processing on %d out-of-fold images: CV Dice %.4f -> %.4f (%s); wrote %s",
              result["images"], before["mean"], after["mean"],
              ", ".join(f"{label} {before[label]:.3f} -> {after[label]:.3f}" for label in LABELS), run_dir / RULE_FILE)
-    for label in LABELS:
-        if result["pooled_weight"][label] >= NOTE_WEIGHT:
-            log.info("  %s", pooled_note(result, label))
+    for note in pooled_notes(result):
+        log.info("  %s", note)
 
 
 # ---------------------------------------------------------------------------------- records

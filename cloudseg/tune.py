@@ -144,11 +144,13 @@ def pool(run_dirs: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 NOTE_WEIGHT = 0.05  # a pooled share worth a line in the table and the training log
 
 
-def pooled_note(result: dict, label: str) -> str:
-    """One line on a class whose rule leans on the pooled classes, and why."""
-    present = result["images_with"][label]
-    return (f"{label}: {present} image(s) with it and {result['images'] - present} without, so its rule is "
-            f"{result['pooled_weight'][label]:.0%} the four classes' pooled Dice")
+def pooled_notes(result: dict) -> list[str]:
+    """One line per class whose rule leans on the pooled classes (a share of NOTE_WEIGHT or more),
+    and why: for `cloudseg tune`'s table and the training log."""
+    return [f"{label}: {result['images_with'][label]} image(s) with it and "
+            f"{result['images'] - result['images_with'][label]} without, so its rule is "
+            f"{result['pooled_weight'][label]:.0%} the four classes' pooled Dice"
+            for label in LABELS if result["pooled_weight"][label] >= NOTE_WEIGHT]
 
 
 def table(result: dict) -> str:
@@ -158,7 +160,7 @@ def table(result: dict) -> str:
         lines.append(f"{label:<8}{result['threshold'][c]:>10.2f}{result['min_area'][c]:>10}{result['gate'][c]:>6.2f}"
                      f"{result['cv_dice']['before'][label]:>11.4f}{result['cv_dice']['after'][label]:>10.4f}")
     lines.append(f"{'mean':<34}{result['cv_dice']['before']['mean']:>11.4f}{result['cv_dice']['after']['mean']:>10.4f}")
-    lines += [pooled_note(result, label) for label in LABELS if result["pooled_weight"][label] >= NOTE_WEIGHT]
+    lines += pooled_notes(result)
     lines.append(f"{result['images']} out-of-fold images from {len(result['runs'])} run(s), searched in "
                  f"{result['seconds']:.1f} s; wrote {result['path']}")
     return "\n".join(lines)
