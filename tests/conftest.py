@@ -1,6 +1,7 @@
 """Fixtures and helpers shared by the tests: the tiny dataset, the tiny training options, and
 ways to plant behaviour in the models that training builds."""
 
+import dataclasses
 import os
 import shutil
 
@@ -9,6 +10,7 @@ import torch
 
 from cloudseg import train as train_module
 from cloudseg.synth import synthesize
+from tests.fake_cuda import CU126_ARCHS, FakeCuda
 
 # Tests train on tiny images, where a second intra-op thread costs more in synchronisation than
 # it gains (one tiny training on the 2-core VM: 3.7 s on one thread, 13 s on two while another
@@ -35,6 +37,17 @@ def tiny_data(tmp_path_factory):
 def data_copy(tiny_data, tmp_path):
     """A private copy of the tiny dataset, for tests that write folds.csv or spoil files."""
     return shutil.copytree(tiny_data, tmp_path / "data")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """fake_cuda(card, ...): torch.cuda reports these cards (tests/fake_cuda.py), GPU 0 current,
+    as strict as torch about its arguments; returns the FakeCuda (its cards and call log)."""
+
+    def install(*cards, arch_list=CU126_ARCHS, cuda="12.6"):
+        return FakeCuda([dataclasses.replace(card) for card in cards]).install(monkeypatch, arch_list, cuda)
+
+    return install
 
 
 @pytest.fixture

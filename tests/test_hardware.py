@@ -7,8 +7,8 @@ compute capability, properties, kernel list) and, for the driver, an nvidia-smi 
 from __future__ import annotations
 
 import logging
+import os
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,48 +19,10 @@ from cloudseg.hardware import (
     autocast_dtype, has_kernels, needs_grad_scaler, precision_for_capability, require_usable_device,
     resolve_device, resolve_precision, speed_switches,
 )
+from tests.fake_cuda import A100, CU13_ARCHS, CU126_ARCHS, GTX_1080_TI, RTX_2080_TI, Card
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
-# torch.cuda.get_arch_list() of PyTorch's CUDA 12.6 and CUDA 13 Linux builds
-CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
-CU13_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
-GTX_1080_TI = ("NVIDIA GeForce GTX 1080 Ti", (6, 1), 11264 * 2**20)
-RTX_2080_TI = ("NVIDIA GeForce RTX 2080 Ti", (7, 5), 11264 * 2**20)
-A100 = ("NVIDIA A100-SXM4-40GB", (8, 0), 40 * 2**30)
-
-
-def device_index(device) -> int:
-    if device is None:
-        return 0
-    return device if isinstance(device, int) else (torch.device(device).index or 0)
-
-
-def cudnn_refuses_old_gpus():
-    raise RuntimeError("cuDNN version 92600 is not compatible with devices with SM < 7.5. Please install ...")
-
-
-@pytest.fixture
-def fake_gpus(monkeypatch):
-    """fake_gpus(card, ...): torch.cuda reports these cards (name, capability, bytes), GPU 0 current."""
-
-    def install(*cards, arch_list=CU126_ARCHS, cuda="12.6"):
-        props = [SimpleNamespace(name=name, major=cap[0], minor=cap[1], total_memory=size) for name, cap, size in cards]
-        monkeypatch.setattr(torch.version, "cuda", cuda)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(cards))
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(cards))
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props[device_index(device)])
-        monkeypatch.setattr(torch.cuda, "get_device_capability",
-                            lambda device=None: (props[device_index(device)].major, props[device_index(device)].minor))
-        if cuda and any(cap < (7, 5) for _, cap, _ in cards):  # as torch does with cuDNN >= 9.11
-            monkeypatch.setattr(torch.backends.cudnn, "version", cudnn_refuses_old_gpus)
-        # as torch's own: counts emulation by default, so it says True on any of these cards
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True:
-                            bool(cards) and (including_emulation or props[0].major >= 8))
-
-    return install
 
 
 @pytest.fixture
@@ -89,51 +51,51 @@ def fake_nvidia_smi(tmp_path, monkeypatch, driver="470.82.01", cuda="11.4", gpus
 
 
 @pytest.mark.parametrize("card, expected", [
-    (("Tesla P100", (6, 0), 16 * 2**30), "fp16"),
+    (Card("Tesla P100", (6, 0), 16 * 2**30), "fp16"),
     (GTX_1080_TI, "fp16"),
-    (("Tesla V100", (7, 0), 16 * 2**30), "fp16"),
+    (Card("Tesla V100", (7, 0), 16 * 2**30), "fp16"),
     (RTX_2080_TI, "fp16"),  # and the T4
     (A100, "bf16"),
-    (("NVIDIA GeForce RTX 3090", (8, 6), 24 * 2**30), "bf16"),
-    (("NVIDIA H100", (9, 0), 80 * 2**30), "bf16"),
-    (("NVIDIA RTX PRO 6000", (12, 0), 96 * 2**30), "bf16"),
+    (Card("NVIDIA GeForce RTX 3090", (8, 6), 24 * 2**30), "bf16"),
+    (Card("NVIDIA H100", (9, 0), 80 * 2**30), "bf16"),
+    (Card("NVIDIA RTX PRO 6000", (12, 0), 96 * 2**30), "bf16"),
 ])
-def test_auto_precision_is_bf16_only_where_native(fake_gpus, card, expected):
+def test_auto_precision_is_bf16_only_where_native(fake_cuda, card, expected):
     """Catches asking torch.cuda.is_bf16_supported() with its default (emulation counts: bf16 on
     a T4 or 1080 Ti, where it is slowest), a threshold other than 8.0 (e.g. 7.0 or major > 8),
     and resolve_precision and `cloudseg memory`'s precision_for_capability disagreeing."""
-    fake_gpus(card)
-    assert resolve_precision("auto", CUDA) == expected == precision_for_capability(card[1])
+    fake_cuda(card)
+    assert resolve_precision("auto", CUDA) == expected == precision_for_capability(card.capability)
     assert autocast_dtype("auto", CUDA) == {"bf16": torch.bfloat16, "fp16": torch.float16}[expected]
 
 
-def test_auto_precision_asks_the_device_it_is_given(fake_gpus):
+def test_auto_precision_asks_the_device_it_is_given(fake_cuda):
     """GPU 0 is a 2080 Ti, GPU 1 an A100. Catches asking the current device (as
     is_bf16_supported does) instead of the one the process trains on, e.g. cuda:1 under DDP."""
-    fake_gpus(RTX_2080_TI, A100)
+    fake_cuda(RTX_2080_TI, A100)
     assert resolve_precision("auto", torch.device("cuda", 1)) == "bf16"
     assert resolve_precision("auto", torch.device("cuda", 0)) == "fp16"
 
 
-def test_auto_precision_on_the_cpu_is_fp32_even_beside_a_gpu(fake_gpus):
+def test_auto_precision_on_the_cpu_is_fp32_even_beside_a_gpu(fake_cuda):
     """Catches deciding from torch.cuda (here an A100 is visible) rather than from the device."""
-    fake_gpus(A100)
+    fake_cuda(A100)
     assert resolve_precision("auto", CPU) == "fp32" and autocast_dtype("auto", CPU) is None
 
 
 @pytest.mark.parametrize("card", [None, RTX_2080_TI, A100])
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp16"])
-def test_explicit_precisions_pass_through(fake_gpus, card, name):
+def test_explicit_precisions_pass_through(fake_cuda, card, name):
     """Catches overriding an explicit choice (fp16 forced on a 7.5 card, fp32 on the CPU...)."""
-    fake_gpus(*([card] if card else []))
+    fake_cuda(*([card] if card else []))
     device = CUDA if card else CPU
     assert resolve_precision(name, device) == name
     assert autocast_dtype(name, device) == {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def test_explicit_bf16_warns_only_where_it_is_emulated(fake_gpus, caplog):
+def test_explicit_bf16_warns_only_where_it_is_emulated(fake_cuda, caplog):
     """Catches a silent slow bf16 on a pre-Ampere card, and warning on every Ampere run."""
-    fake_gpus(RTX_2080_TI, A100)
+    fake_cuda(RTX_2080_TI, A100)
     with caplog.at_level(logging.WARNING, logger="cloudseg"):
         assert resolve_precision("bf16", torch.device("cuda", 1)) == "bf16"
         assert not caplog.records
@@ -147,12 +109,12 @@ def test_unknown_precision_is_a_clear_error():
         resolve_precision("fp8", CPU)
 
 
-def test_grad_scaler_only_for_fp16(fake_gpus):
+def test_grad_scaler_only_for_fp16(fake_cuda):
     """Catches a scaler for bf16 (needless: it has fp32's range) or none for fp16 (gradients
     underflow), and auto on a 7.5 card not ending up with a scaler."""
     assert needs_grad_scaler(torch.float16)
     assert not needs_grad_scaler(torch.bfloat16) and not needs_grad_scaler(None)
-    fake_gpus(RTX_2080_TI)
+    fake_cuda(RTX_2080_TI)
     assert needs_grad_scaler(autocast_dtype("auto", CUDA))
 
 
@@ -174,20 +136,20 @@ def test_has_kernels(capability, arch_list, expected):
     assert has_kernels(capability, arch_list) == expected
 
 
-def test_a_gpu_without_kernels_is_refused_with_the_fix(fake_gpus):
+def test_a_gpu_without_kernels_is_refused_with_the_fix(fake_cuda):
     """A 1080 Ti under the CUDA 13 wheel. Catches returning a cuda device anyway, so that the
     first convolution fails with "no kernel image is available for execution on the device"."""
-    fake_gpus(GTX_1080_TI, arch_list=CU13_ARCHS, cuda="13.2")
+    fake_cuda(GTX_1080_TI, arch_list=CU13_ARCHS, cuda="13.2")
     with pytest.raises(ValueError) as error:
         resolve_device("auto")
     message = str(error.value)
     assert "GTX 1080 Ti" in message and "6.1" in message and "make install TORCH_BACKEND=cu126" in message
-    fake_gpus(GTX_1080_TI, arch_list=CU126_ARCHS)
-    assert resolve_device("auto") == CUDA
+    fake_cuda(GTX_1080_TI, arch_list=CU126_ARCHS)
+    assert resolve_device("auto") == torch.device("cuda", 0)
 
 
-def test_cuda_without_a_gpu_points_to_doctor(fake_gpus):
-    fake_gpus()
+def test_cuda_without_a_gpu_points_to_doctor(fake_cuda):
+    fake_cuda()
     assert resolve_device("auto") == CPU
     with pytest.raises(ValueError, match="cloudseg doctor"):
         resolve_device("cuda")
@@ -222,21 +184,51 @@ def test_cpu_guard_threshold(requested, device, size, refused):
         require_usable_device(requested, device, size, 100)
 
 
-def test_speed_switches_only_on_cuda(monkeypatch):
-    """Catches not turning cuDNN's benchmark on for CUDA, and flipping it for CPU runs."""
+@pytest.fixture
+def switches_restored(monkeypatch):
+    """cuDNN's flags, the deterministic-algorithms switch and CUBLAS_WORKSPACE_CONFIG as they
+    were before the test (all process-wide)."""
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def test_speed_switches_benchmark_cudnn_on_cuda_only(switches_restored):
+    """Catches not turning cuDNN's benchmark on for CUDA, flipping it for CPU runs, and the fast
+    mode turning deterministic algorithms on (or off, where a user had set them)."""
     speed_switches(CPU)
     assert torch.backends.cudnn.benchmark is False
     speed_switches(CUDA)
-    assert torch.backends.cudnn.benchmark is True
+    assert torch.backends.cudnn.benchmark is True and torch.backends.cudnn.deterministic is False
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    torch.use_deterministic_algorithms(True)
+    speed_switches(CUDA)
+    assert torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_switches_what_a_bit_exact_gpu_run_needs(switches_restored):
+    """Catches benchmark mode left on (its algorithm choice can differ between processes, so a
+    resumed run would not repeat), cuDNN's nondeterministic algorithms allowed, PyTorch's
+    deterministic algorithms not asked for, and the cuBLAS workspace they need left unset (torch
+    raises at the first cuBLAS call); and a user's own CUBLAS_WORKSPACE_CONFIG overwritten."""
+    speed_switches(CUDA, deterministic=True)
+    assert torch.backends.cudnn.benchmark is False and torch.backends.cudnn.deterministic is True
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+    speed_switches(CUDA, deterministic=True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 # ---------------------------------------------------------------------------------- doctor
 
 
-def test_doctor_on_a_machine_without_gpu(no_driver, fake_gpus, capsys):
+def test_doctor_on_a_machine_without_gpu(no_driver, fake_cuda, capsys):
     """Catches doctor failing without a driver, and leaving out the versions a report needs."""
-    fake_gpus(cuda="13.2", arch_list=CU13_ARCHS)
+    fake_cuda(cuda="13.2", arch_list=CU13_ARCHS)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert f"PyTorch {torch.__version__}, built for CUDA 13.2" in out
@@ -244,10 +236,10 @@ def test_doctor_on_a_machine_without_gpu(no_driver, fake_gpus, capsys):
     assert "train.device=auto uses: the CPU" in out and "numpy " in out and "segmentation-models-pytorch " in out
 
 
-def test_doctor_explains_a_driver_too_old_for_the_wheel(tmp_path, monkeypatch, fake_gpus, capsys):
+def test_doctor_explains_a_driver_too_old_for_the_wheel(tmp_path, monkeypatch, fake_cuda, capsys):
     """nvidia-smi lists a GPU, PyTorch (CUDA 13.2) sees none. Catches reporting just "no GPU"."""
     fake_nvidia_smi(tmp_path, monkeypatch, driver="470.82.01", cuda="11.4")
-    fake_gpus(cuda="13.2", arch_list=CU13_ARCHS)
+    fake_cuda(cuda="13.2", arch_list=CU13_ARCHS)
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "NVIDIA driver 470.82.01 (CUDA up to 11.4)" in out and "(the system lists 1)" in out
@@ -255,30 +247,30 @@ def test_doctor_explains_a_driver_too_old_for_the_wheel(tmp_path, monkeypatch, f
     assert "built for CUDA 13.2" in out and "too old" in out and "make install TORCH_BACKEND=auto" in out
 
 
-def test_doctor_explains_a_cpu_only_wheel(tmp_path, monkeypatch, fake_gpus, capsys):
+def test_doctor_explains_a_cpu_only_wheel(tmp_path, monkeypatch, fake_cuda, capsys):
     """Catches blaming the driver when the wheel itself has no CUDA."""
     fake_nvidia_smi(tmp_path, monkeypatch)
-    fake_gpus(cuda=None, arch_list=[])
+    fake_cuda(cuda=None, arch_list=[])
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "a CPU-only build" in out and "too old" not in out and "make install TORCH_BACKEND=auto" in out
 
 
-def test_doctor_finds_the_gpu_without_nvidia_smi(no_driver, fake_gpus, capsys):
+def test_doctor_finds_the_gpu_without_nvidia_smi(no_driver, fake_cuda, capsys):
     """Only the kernel driver's /proc entry says a GPU is there. Catches relying on nvidia-smi alone."""
     (hardware.NVIDIA_PROC / "gpus" / "0000:01:00.0").mkdir(parents=True)
     (hardware.NVIDIA_PROC / "version").write_text(
         "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder@U16)\n")
-    fake_gpus(cuda="13.2", arch_list=CU13_ARCHS)
+    fake_cuda(cuda="13.2", arch_list=CU13_ARCHS)
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "NVIDIA driver 550.54.15" in out and "GPU at PCI 0000:01:00.0" in out and "cannot use them" in out
 
 
-def test_doctor_lists_each_gpu_with_its_own_precision(tmp_path, monkeypatch, fake_gpus, capsys):
+def test_doctor_lists_each_gpu_with_its_own_precision(tmp_path, monkeypatch, fake_cuda, capsys):
     """A 2080 Ti and an A100. Catches every GPU shown with GPU 0's capability or precision."""
-    fake_nvidia_smi(tmp_path, monkeypatch, driver="550.54.15", cuda="12.4", gpus=(RTX_2080_TI[0], A100[0]))
-    fake_gpus(RTX_2080_TI, A100)
+    fake_nvidia_smi(tmp_path, monkeypatch, driver="550.54.15", cuda="12.4", gpus=(RTX_2080_TI.name, A100.name))
+    fake_cuda(RTX_2080_TI, A100)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert ("GPU 0: NVIDIA GeForce RTX 2080 Ti, compute capability 7.5, 11.0 GiB, native bf16: no, "
@@ -288,11 +280,11 @@ def test_doctor_lists_each_gpu_with_its_own_precision(tmp_path, monkeypatch, fak
     assert "train.device=auto uses: cuda (GPU 0)" in out and "no problems found" in out
 
 
-def test_doctor_flags_a_gpu_the_wheel_has_no_kernels_for(tmp_path, monkeypatch, fake_gpus, capsys):
+def test_doctor_flags_a_gpu_the_wheel_has_no_kernels_for(tmp_path, monkeypatch, fake_cuda, capsys):
     """The project's own 11 GB card under the pinned CUDA 13 wheel: seen, but unusable. Catches
     doctor stopping at cuDNN's RuntimeError (it refuses to load beside a GPU older than 7.5)."""
     fake_nvidia_smi(tmp_path, monkeypatch, driver="580.95.05", cuda="13.0")
-    fake_gpus(GTX_1080_TI, arch_list=CU13_ARCHS, cuda="13.2")
+    fake_cuda(GTX_1080_TI, arch_list=CU13_ARCHS, cuda="13.2")
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "has no kernels in PyTorch" in out and "make install TORCH_BACKEND=cu126" in out
