@@ -11,7 +11,7 @@ from torch import nn
 from cloudseg.cli import main
 from cloudseg.config import ModelConfig, load_config
 from cloudseg.memory import estimate
-from cloudseg.model import CloudNet, build_model, checkpoint_blocks, enable_checkpointing, train_mode
+from cloudseg.model import CloudNet, build_model, checkpoint_blocks, set_checkpointing, train_mode
 from tests.test_memory_savers import loss_grads_and_stats
 
 ARCHS = ("unet", "unetplusplus", "fpn")
@@ -27,7 +27,7 @@ def small_config(arch, **kw):
 def float64_model(arch, mode):
     torch.manual_seed(0)  # the same weights (and FPN's dropout masks) with and without checkpointing
     model = build_model(small_config(arch)).double().train()
-    enable_checkpointing(model, mode)
+    set_checkpointing(model, mode)
     return model
 
 
@@ -180,7 +180,7 @@ def test_checkpointing_lowers_the_estimate_for_every_arch(arch):
 
 def test_memory_command_names_the_arch(capsys):
     assert main(["memory", "-c", "configs/demo.yaml", "model.arch=fpn", "model.decoder_channels=[128,64]",
-                 "data.image_size=[128,192]"]) == 0
+                 "data.image_size=[128,192]", "train.device=cpu"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("fpn-mobilenet_v2 at 128x192")  # not the old fixed "UNet-"
     for mode in ("none", "encoder", "full"):

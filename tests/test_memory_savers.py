@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cloudseg.config import ModelConfig
-from cloudseg.model import IMAGENET_MEAN, IMAGENET_STD, build_model, enable_checkpointing, prepare_for_training
+from cloudseg.model import IMAGENET_MEAN, IMAGENET_STD, build_model, set_checkpointing, prepare_for_training
 from cloudseg.loss import per_image_loss
 
 
@@ -12,7 +12,7 @@ def float64_model(encoder, mode, seed=0):
     torch.manual_seed(seed)
     model = build_model(ModelConfig(encoder=encoder, encoder_weights=None, decoder_channels=(16, 8, 8, 8, 8)))
     model = model.double().train()
-    enable_checkpointing(model, mode)
+    set_checkpointing(model, mode)
     return model
 
 
@@ -52,13 +52,42 @@ def test_checkpointing_really_recomputes():
     assert len(calls) == 1  # nothing to recompute without gradients
 
 
-def test_encoder_mode_leaves_the_decoder_alone():
-    model = float64_model("resnet18", "encoder")
-    calls = []
-    model.unet.decoder.blocks[0].conv1.register_forward_hook(lambda *a: calls.append(1))
-    model.unet.encoder.layer1[0].conv1.register_forward_hook(lambda *a: calls.append(2))
+def forward_counts(model):
+    """How often, in one training forward and backward, the stem's conv, a layer1 block's conv
+    and the first decoder block's conv run."""
+    calls = {"stem": 0, "layer1": 0, "decoder": 0}
+    for name, module in [("stem", model.unet.encoder.conv1), ("layer1", model.unet.encoder.layer1[0].conv1),
+                         ("decoder", model.unet.decoder.blocks[0].conv1)]:
+        module.register_forward_hook(lambda *a, name=name: calls.__setitem__(name, calls[name] + 1))
     loss_grads_and_stats(model)
-    assert sorted(calls) == [1, 2, 2]
+    return calls
+
+
+def test_encoder_mode_recomputes_the_whole_encoder_once_and_leaves_the_decoder_alone():
+    """Would catch: the stem left out of the region (it ran once: its half-resolution activations
+    kept), the decoder recomputed, or the encoder recomputed more than once."""
+    assert forward_counts(float64_model("resnet18", "encoder")) == {"stem": 2, "layer1": 2, "decoder": 1}
+
+
+def test_full_mode_nests_the_encoder_blocks_and_recomputes_the_decoder_blocks():
+    """The encoder region is recomputed once (stem twice in all); inside it each block again in its
+    own backward (three times). Would catch: the nested blocks dropped (two), or the decoder left out."""
+    assert forward_counts(float64_model("resnet18", "full")) == {"stem": 2, "layer1": 3, "decoder": 2}
+
+
+def test_switching_modes_replaces_the_wrappers_and_keeps_other_patches():
+    """`train.checkpointing: auto` tries the modes on one model. Would catch: wrappers stacking up
+    (full after encoder recomputing twice over), `none` leaving a wrapper behind, and undoing a
+    forward that someone else patched (the tests' out-of-memory planter)."""
+    model = float64_model("resnet18", "encoder")
+    set_checkpointing(model, "full")
+    assert forward_counts(model) == {"stem": 2, "layer1": 3, "decoder": 2}
+    model = float64_model("resnet18", "full")
+    own_forward = model.forward
+    model.forward = lambda images: own_forward(images)  # a patch that is not a checkpoint wrapper
+    set_checkpointing(model, "none")
+    assert "forward" in vars(model)
+    assert forward_counts(model) == {"stem": 1, "layer1": 1, "decoder": 1}
 
 
 def test_channels_last_gives_the_same_output():
