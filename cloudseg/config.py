@@ -105,8 +105,14 @@ class TrainConfig(Section):
         None, gt=0, lt=1, description="decay of an exponential moving average of the weights (and BatchNorm "
         "statistics), updated once per optimizer step, validated and saved as the model (e.g. 0.99); null = off"
     )
-    checkpointing: Literal["none", "encoder", "full"] = Field(
-        "none", description="recompute activations in backward: encoder blocks, or encoder and decoder blocks"
+    checkpointing: Literal["auto", "none", "encoder", "full"] = Field(
+        "auto", description="recompute activations in backward: none; encoder (the encoder as one region); full "
+        "(also each decoder block, encoder blocks nested); auto = the least of these under which micro_batch fits "
+        "the GPU, by probe steps (none on CPU)"
+    )
+    deterministic: bool = Field(
+        False, description="deterministic GPU algorithms (cuDNN, cuBLAS, no benchmark): runs and resumes repeat bit "
+        "for bit on a GPU, ~10% slower; false = fastest kernels, runs differ in the last bits"
     )
 
     @model_validator(mode="after")

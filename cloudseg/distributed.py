@@ -74,10 +74,19 @@ def total(value: float, device: torch.device) -> float:
 
 def smallest(value: int, device: torch.device) -> int:
     """The smallest of every process's `value`."""
+    return _reduced(value, device, "MIN")
+
+
+def largest(value: int, device: torch.device) -> int:
+    """The largest of every process's `value`."""
+    return _reduced(value, device, "MAX")
+
+
+def _reduced(value: int, device: torch.device, op: str) -> int:
     if world_size() == 1:
         return value
     tensor = torch.tensor(value, dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
     return int(tensor.item())
 
 

@@ -1,36 +1,43 @@
-"""How much GPU memory a training step takes, and the largest micro-batch that fits.
+"""How much GPU memory a training step takes, how much recomputation it needs, and the largest
+micro-batch that fits.
 
-Data path: the planner beside the accumulated step: it probes the engine's own forward and
-backward (engine.accumulate) to choose `train.micro_batch: auto` before the run starts.
+Data path: the planner beside the accumulated step: it runs the engine's own forward and
+backward (engine.accumulate) to choose `train.checkpointing: auto` and `train.micro_batch: auto`
+before the run starts, and prints `cloudseg memory`.
 
-On CUDA, peaks are measured on real training steps. On CPU they are estimated: weights,
-gradients and AdamW state from the parameter count, plus the activations saved for backward,
-counted by autograd hooks during one forward pass (at half size per side for large images,
-scaled by area; floating-point tensors scaled from fp32 to the autocast dtype).
+On CUDA, peaks are measured on real training steps (the allocator's peak, cuDNN's workspaces
+included). Without a GPU they are estimated by running the same step on fake tensors
+(PyTorch's FakeTensorMode: shapes, dtypes and strides, no data) under the GPU's autocast dtype,
+and adding up the bytes of every tensor alive at each moment, gradients and the backward's
+transients included. What that cannot see is what the GPU adds around the tensors: cuDNN's
+workspaces and the allocator's rounding, which the safety margin covers.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cloudseg import distributed
 from cloudseg.config import Config, apply_overrides, from_dict
 from cloudseg.data import padded_shape
 from cloudseg.engine import StepContext, accumulate, resilient_step
 from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision
-from cloudseg.model import (CloudNet, build_model, checkpoint_blocks, norm_statistics,
-                            prepare_for_training, restore_norm_statistics)
+from cloudseg.model import (CHECKPOINTING_MODES, CloudNet, build_model, norm_statistics, prepare_for_training,
+                            restore_norm_statistics, set_checkpointing)
 from cloudseg.task import IMAGE_SHAPE, LABELS
 
 log = logging.getLogger("cloudseg")
 
 CARDS_GB = (6, 8, 11, 16, 24, 40, 80)
-SAFETY_MARGIN = 0.10  # keep 10% of the card free for fragmentation and the CUDA context
-CHECKPOINTING_MODES = ("none", "encoder", "full")
-PROBE_AREA = 704 * 1056  # CPU estimates run at most this many pixels, then scale by area
+SAFETY_MARGIN = 0.10  # keep 10% of the card free for fragmentation, workspaces and the CUDA context
+PLANNED_MICRO_BATCH = 4  # what checkpointing auto plans for when train.micro_batch is auto too
 
 
 @dataclass
@@ -41,7 +48,7 @@ class StepMemory:
     gradients: float
     optimizer: float
     activations_per_image: float
-    other: float = 0.0  # measured only: CUDA context, cuDNN workspaces, allocator slack
+    other: float = 0.0  # fixed bytes beyond weights, gradients and AdamW (weight casts, workspaces)
 
     @property
     def fixed(self) -> float:
@@ -54,6 +61,12 @@ class StepMemory:
         """Largest micro-batch whose peak stays under capacity minus the margin (0 = none fits)."""
         room = (1 - margin) * capacity_bytes - self.fixed
         return max(0, int(room // self.activations_per_image))
+
+    @classmethod
+    def from_peaks(cls, one: float, two: float, weights: int) -> StepMemory:
+        """From the peaks of steps at micro-batches 1 and 2 (both with AdamW's state)."""
+        per_image = two - one
+        return cls(weights, weights, 2 * weights, per_image, other=one - per_image - 4 * weights)
 
 
 def largest_fitting(candidates, peak_of, capacity_bytes: float, margin: float = SAFETY_MARGIN) -> int:
@@ -75,31 +88,100 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# ---------------------------------------------------------------------------------- CUDA
+def parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size, device) -> float:
-    """Peak CUDA bytes of one forward/backward at `micro_batch`, plus the AdamW state a step adds.
-
-    Leaves the model as it found it (gradients cleared, norm statistics restored).
-    """
-    dtype = autocast_dtype(config.train.precision, device)
+def probe_step(model: CloudNet, micro_batch: int, image_size, device, dtype) -> None:
+    """One forward and backward of the engine on a random batch (no optimizer step), leaving the
+    model as it found it: gradients cleared, BatchNorm statistics restored. Any device."""
     step = StepContext(model, None, torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype)), device, dtype)
     saved_statistics = norm_statistics(model)
     batch = {"image": torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device),
              "mask": torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)}
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
     try:
         accumulate(step, [batch], micro_batch)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
     finally:
         model.zero_grad(set_to_none=True)
         restore_norm_statistics(model, saved_statistics)
-        del batch
+
+
+# ---------------------------------------------------------------------------------- CUDA: measured
+
+
+def peak_bytes(device: torch.device, run) -> int:
+    """The CUDA allocator's peak while `run()` runs (the one place that reads it for a probe)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    finally:
         torch.cuda.empty_cache()
+
+
+def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size, device) -> float:
+    """Peak CUDA bytes of a training step at `micro_batch`, plus the AdamW state a step adds.
+
+    The step runs twice and the second is measured: with cuDNN's benchmark mode the first
+    searches algorithms, and the second holds the workspaces that training will hold."""
+    dtype = autocast_dtype(config.train.precision, device)
+    probe_step(model, micro_batch, image_size, device, dtype)
+    peak = peak_bytes(device, lambda: probe_step(model, micro_batch, image_size, device, dtype))
     return peak + 2 * parameter_bytes(model)  # AdamW's exp_avg and exp_avg_sq, allocated at the first step
+
+
+def available_bytes(device: torch.device) -> int:
+    """What this process can hold on its GPU: the free memory (other processes on the same GPU
+    count) plus what its own allocator has reserved already, within its memory fraction cap
+    (`cloudseg memory --limit-gb`; torch < 2.5 cannot tell the cap)."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+    return min(free + torch.cuda.memory_reserved(device), int(fraction * total))
+
+
+def planned_micro_batch(config: Config, world: int) -> int:
+    """The micro-batch that `checkpointing: auto` must fit: the configured one, or with
+    `micro_batch: auto` the largest divisor of the per-process window up to 4."""
+    if config.train.micro_batch != "auto":
+        return config.train.micro_batch
+    return max(d for d in divisors(config.train.effective_batch // world) if d <= PLANNED_MICRO_BATCH)
+
+
+def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, world: int = 1) -> str:
+    """`train.checkpointing`; for `auto`, the least recomputation (none, then encoder, then full)
+    under which the planned micro-batch fits this GPU, by real probe steps, agreed across
+    processes (the most any of them needs). Where even `full` does not fit, `full`, and
+    `train.micro_batch` becomes auto so that it shrinks. On the CPU, auto means none.
+    Leaves `model` in whichever mode it probed last: set the returned mode on it."""
+    if config.train.checkpointing != "auto":
+        return config.train.checkpointing
+    if device.type != "cuda":
+        log.info("train.checkpointing=auto on %s: none (nothing to probe)", device)
+        return "none"
+    micro_batch = planned_micro_batch(config, world)
+    capacity = (1 - SAFETY_MARGIN) * available_bytes(device)
+    buckets = parameter_bytes(model) if world > 1 else 0  # DDP's gradient buckets
+    peaks = {}
+    for mode in CHECKPOINTING_MODES:
+        set_checkpointing(model, mode)
+        try:
+            peaks[mode] = measured_peak(model, config, micro_batch, image_size, device) + buckets
+        except torch.cuda.OutOfMemoryError:
+            peaks[mode] = None
+        if peaks[mode] is not None and peaks[mode] <= capacity:
+            break
+    fits = peaks[mode] is not None and peaks[mode] <= capacity
+    agreed = CHECKPOINTING_MODES[distributed.largest(CHECKPOINTING_MODES.index(mode), device)]
+    probed = ", ".join(f"{m} {'out of memory' if p is None else f'{p / 2**30:.2f} GiB'}" for m, p in peaks.items())
+    log.info("train.checkpointing=auto: %s (micro-batch %d: %s; %.2f GiB usable%s)", agreed, micro_batch, probed,
+             capacity / 2**30, "" if agreed == mode else f"; {mode} fits this GPU, {agreed} every process's")
+    if not fits:
+        log.warning("even train.checkpointing=full does not fit micro-batch %d: train.micro_batch shrinks (auto)",
+                    micro_batch)
+        config.train.micro_batch = "auto"
+    return agreed
 
 
 def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, world: int = 1) -> int:
@@ -114,7 +196,7 @@ def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, wor
                          f"the number of processes ({world})")
     candidates = divisors(config.train.effective_batch // world)
     if device.type != "cuda":
-        chosen = max(d for d in candidates if d <= 4)
+        chosen = max(d for d in candidates if d <= PLANNED_MICRO_BATCH)
         log.info("train.micro_batch=auto on %s: nothing to probe, using %d", device, chosen)
         return chosen
     buckets = parameter_bytes(model) if world > 1 else 0  # DDP's gradient buckets: one more copy of the gradients
@@ -127,88 +209,102 @@ def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, wor
     return agreed
 
 
-def available_bytes(device: torch.device) -> int:
-    """What this process can hold on its GPU: the free memory (other processes on the same GPU
-    count) plus what its own allocator has reserved already, within its memory fraction cap
-    (`cloudseg memory --limit-gb`; torch < 2.5 cannot tell the cap)."""
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-    return min(free + torch.cuda.memory_reserved(device), int(fraction * total))
-
-
-# ---------------------------------------------------------------------------------- CPU estimate
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def estimate(config: Config, image_size=IMAGE_SHAPE) -> dict[str, StepMemory]:
-    """Estimated step memory for each checkpointing mode, from one fp32 forward pass on the CPU."""
-    model = build_model(config.model, pretrained=False).train()
-    full = padded_shape(image_size)
-    probe = full
-    while probe[0] * probe[1] > PROBE_AREA:
-        probe = padded_shape((probe[0] // 2, probe[1] // 2))
-    area_scale = (full[0] * full[1]) / (probe[0] * probe[1])
-    # auto is bf16 or fp16 on a GPU (hardware.precision_for_capability): both store activations in 2 bytes
-    float_scale = 1.0 if config.train.precision == "fp32" else 0.5
-    counts = _saved_bytes(model, probe, float_scale)
-    weights = parameter_bytes(model)
+def measure(config: Config, image_size, device) -> dict[str, StepMemory]:
+    """Step memory for each checkpointing mode from real CUDA steps at micro-batches 1 and 2."""
     result = {}
     for mode in CHECKPOINTING_MODES:
-        blocks = checkpoint_blocks(model, mode)
-        kept = counts["total"] - sum(counts["inside"].get(id(b), 0) for b in blocks)
-        kept += sum(counts["inputs"].get(id(b), 0) for b in blocks)
-        recompute_peak = max((counts["inside"].get(id(b), 0) for b in blocks), default=0)
-        result[mode] = StepMemory(weights, weights, 2 * weights, (kept + recompute_peak) * area_scale)
+        model = build_model(config.model, pretrained=False).to(device).train()
+        prepare_for_training(model, config.train.channels_last, mode)
+        weights = parameter_bytes(model)
+        one = measured_peak(model, config, 1, image_size, device)
+        try:
+            result[mode] = StepMemory.from_peaks(one, measured_peak(model, config, 2, image_size, device), weights)
+        except torch.cuda.OutOfMemoryError:  # only one image fits: all but the fixed part is per image
+            result[mode] = StepMemory(weights, weights, 2 * weights, one - 4 * weights)
+        del model
+        torch.cuda.empty_cache()
     return result
 
 
-def _saved_bytes(model: CloudNet, shape, float_scale: float) -> dict:
-    """Bytes saved for backward by one image: in total, inside each block, and of each block's inputs."""
-    blocks = checkpoint_blocks(model, "full")
-    counts = {"total": 0.0, "inside": {}, "inputs": {}}
-    stack, seen = [], set()
+# ---------------------------------------------------------------------------------- CPU: estimated
 
-    def size(t: torch.Tensor) -> float:
-        return t.numel() * t.element_size() * (float_scale if t.is_floating_point() else 1.0)
 
-    def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.dtype)
-        if key not in seen and not isinstance(t, torch.nn.Parameter):
-            seen.add(key)
-            counts["total"] += size(t)
-            for block in stack:
-                counts["inside"][id(block)] = counts["inside"].get(id(block), 0) + size(t)
-        return t
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every tensor storage that the ops inside it create, while that storage
+    lives (views share their storage's count), and keeps the highest total: a training step's
+    peak, when run on fake tensors."""
 
-    def enter(block, args):
-        counts["inputs"][id(block)] = sum(size(a) for a in args if isinstance(a, torch.Tensor))
-        stack.append(block)
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self._sizes = 0, 0, {}
 
-    def leave(*_) -> None:  # a forward hook that returned something would replace the output
-        stack.pop()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor.untyped_storage())
+        return out
 
-    handles = [b.register_forward_pre_hook(enter) for b in blocks]
-    handles += [b.register_forward_hook(leave) for b in blocks]
-    image = torch.randint(0, 256, (1, 3, *shape), dtype=torch.uint8)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(image)
-    for handle in handles:
-        handle.remove()
-    return counts
+    def _count(self, storage) -> None:
+        key = id(storage)
+        if key in self._sizes:
+            return
+        self._sizes[key] = storage.nbytes()
+        self.live += self._sizes[key]
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key) -> None:
+        self.live -= self._sizes.pop(key)
+
+
+def estimated_peak(model: CloudNet, micro_batch: int, image_size, dtype: torch.dtype | None) -> float:
+    """Peak bytes of a training step of `model` at `micro_batch` in `dtype` on a GPU, estimated on
+    the CPU: the engine's forward and backward run on fake tensors. Includes the weights and
+    AdamW's state. `model` (built on the CPU) is turned into fake tensors: use it for nothing else."""
+    weights = parameter_bytes(model)
+    fake = FakeTensorMode()
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(fake.from_tensor(param), param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, fake.from_tensor(buffer))
+    with fake, LiveBytes() as counted:
+        probe_step(model, micro_batch, image_size, torch.device("cpu"), dtype)
+    return counted.peak + 3 * weights  # the weights, and AdamW's two states once it has stepped
+
+
+def estimate(config: Config, image_size=IMAGE_SHAPE) -> dict[str, StepMemory]:
+    """Estimated step memory for each checkpointing mode (see `estimated_peak`). Precision auto
+    means bf16 or fp16 on a GPU: both keep activations in 2 bytes, estimated as bf16 (the CPU's
+    autocast dtype)."""
+    dtype = None if config.train.precision == "fp32" else torch.bfloat16
+
+    def peak(mode: str, micro_batch: int) -> float:
+        model = prepare_for_training(build_model(config.model, pretrained=False).train(), config.train.channels_last,
+                                     mode)
+        return estimated_peak(model, micro_batch, image_size, dtype)
+
+    weights = parameter_bytes(build_model(config.model, pretrained=False))
+    return {mode: StepMemory.from_peaks(peak(mode, 1), peak(mode, 2), weights) for mode in CHECKPOINTING_MODES}
 
 
 # ---------------------------------------------------------------------------------- under a cap
 
 
+def cap_process(device: torch.device, limit_gb: float) -> float:
+    """Cap this process at `limit_gb` GB of its GPU (a card of that size); returns the GPU's total bytes."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1e9 / total), device)
+    return total
+
+
 def capped(config: Config, limit_gb: float, micro_batch: int, device) -> str:
     """`cloudseg memory --limit-gb`: this process capped at `limit_gb` GB (a card of that size, on
     any larger GPU), real training steps at `micro_batch` for fp16 (pre-Ampere cards) and bf16
-    and each checkpointing mode, with the out-of-memory retry and `micro_batch: auto` for real."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1e9 / total), device)
+    and each checkpointing mode, with the out-of-memory retry, `micro_batch: auto` and
+    `checkpointing: auto` for real."""
+    total = cap_process(device, limit_gb)
     image_size = tuple(config.data.image_size or IMAGE_SHAPE)
     lines = [f"{config.model.encoder} at {image_size[0]}x{image_size[1]}, capped at {limit_gb:g} GB of "
              f"{total / 1e9:.1f} GB: two real training steps at micro-batch {micro_batch}", "",
@@ -220,8 +316,11 @@ def capped(config: Config, limit_gb: float, micro_batch: int, device) -> str:
             peak, used, auto = capped_steps(trial, micro_batch, image_size, device)
             lines.append(f"{precision:<10}{mode:<14}{'-' if peak is None else f'{peak / 2**30:.2f}':>9}"
                          f"{used or '-':>11}{auto or '-':>6}  {'yes' if used == micro_batch else 'no'}")
+        lines.append(f"{precision:<10}{'auto':<14}{'':>9}{'':>11}{'':>6}  -> "
+                     f"{auto_under_cap(config, precision, micro_batch, image_size, device)}")
     return "\n".join(lines + ["", "trained at: the micro-batch after the out-of-memory retry (- = not even 1); "
-                               "auto: what train.micro_batch=auto picks under the cap"])
+                               "auto: what train.micro_batch=auto picks under the cap; "
+                               f"checkpointing auto: the mode it picks for micro-batch {micro_batch} under the cap"])
 
 
 def capped_steps(config: Config, micro_batch: int, image_size, device) -> tuple[float | None, int, int]:
@@ -238,63 +337,71 @@ def capped_steps(config: Config, micro_batch: int, image_size, device) -> tuple[
         auto = resolve_micro_batch(config, model, image_size, device)
     except RuntimeError:  # not even a micro-batch of 1 fits
         auto = 0
-    torch.cuda.reset_peak_memory_stats(device)
+    used = [micro_batch]
+
+    def two_steps():
+        _, used[0] = resilient_step(step, window, micro_batch)
+        resilient_step(step, window, used[0])  # the second step holds AdamW's state too
+
     try:
-        _, used = resilient_step(step, window, micro_batch)
-        resilient_step(step, window, used)  # the second step holds AdamW's state too
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = peak_bytes(device, two_steps)
     except torch.cuda.OutOfMemoryError:
-        peak, used = None, 0
+        peak, used[0] = None, 0
     del model, step
     torch.cuda.empty_cache()
-    return peak, used, auto
+    return peak, used[0], auto
+
+
+def auto_under_cap(config: Config, precision: str, micro_batch: int, image_size, device) -> str:
+    """What `train.checkpointing: auto` picks for `micro_batch` under the current cap."""
+    trial = from_dict(apply_overrides(config.model_dump(mode="json"), [
+        f"train.precision={precision}", "train.checkpointing=auto", f"train.micro_batch={micro_batch}"]))
+    model = build_model(trial.model, pretrained=False).to(device).train()
+    prepare_for_training(model, trial.train.channels_last, "none")
+    mode = resolve_checkpointing(trial, model, image_size, device)
+    del model
+    return mode if trial.train.micro_batch == micro_batch else f"{mode}, micro-batch shrinks"
 
 
 # ---------------------------------------------------------------------------------- report
 
 
-def measure(config: Config, image_size, device) -> dict[str, StepMemory]:
-    """Step memory for each checkpointing mode from real CUDA steps at micro-batches 1 and 2."""
-    result = {}
-    for mode in CHECKPOINTING_MODES:
-        model = build_model(config.model, pretrained=False).to(device).train()
-        prepare_for_training(model, config.train.channels_last, mode)
-        weights = parameter_bytes(model)
-        one = measured_peak(model, config, 1, image_size, device)
-        try:
-            per_image = measured_peak(model, config, 2, image_size, device) - one
-        except torch.cuda.OutOfMemoryError:
-            per_image = one - 4 * weights  # only one image fits: all but the fixed part is per image
-        result[mode] = StepMemory(weights, weights, 2 * weights, per_image, other=one - per_image - 4 * weights)
-        del model
-        torch.cuda.empty_cache()
-    return result
+def auto_choice(steps: dict[str, StepMemory], micro_batch: int, capacity_bytes: float) -> str:
+    """What `checkpointing: auto` picks on a card: the first mode that fits `micro_batch`
+    (`full/N`: even full needs a smaller micro-batch N; `-`: nothing fits)."""
+    for mode, step in steps.items():
+        if step.largest_micro_batch(capacity_bytes) >= micro_batch:
+            return mode
+    fitting = steps["full"].largest_micro_batch(capacity_bytes)
+    return f"full/{fitting}" if fitting else "-"
 
 
 def report(config: Config, micro_batch: int, device) -> str:
-    """The breakdown at `micro_batch` and the largest micro-batch per card, as printed by `cloudseg memory`."""
+    """The breakdown at `micro_batch`, the largest micro-batch per card and what checkpointing
+    auto picks there, as printed by `cloudseg memory`."""
     image_size = tuple(config.data.image_size or IMAGE_SHAPE)
     if device.type == "cuda":
         precision = resolve_precision(config.train.precision, device)
+        steps, how = measure(config, image_size, device), f"measured on {torch.cuda.get_device_name(device)}"
     else:
         precision = "auto (bf16 from compute capability 8.0, fp16 before)" if config.train.precision == "auto" \
             else config.train.precision
-    if device.type == "cuda":
-        steps, how = measure(config, image_size, device), f"measured on {torch.cuda.get_device_name(device)}"
-    else:
-        steps, how = estimate(config, image_size), "estimated on CPU (saved tensors counted by autograd hooks)"
+        steps, how = estimate(config, image_size), "estimated on CPU (the step run on fake tensors)"
     height, width = padded_shape(image_size)
+    gib = 2**30
     lines = [f"{config.model.arch}-{config.model.encoder} at {image_size[0]}x{image_size[1]} (padded {height}x{width}), "
              f"{precision}, channels_last={config.train.channels_last}: {how}", "",
              f"breakdown at micro-batch {micro_batch} (GiB)",
              f"{'checkpointing':<14}{'weights':>9}{'grads':>9}{'AdamW':>9}{'other':>9}{'activ.':>9}{'total':>9}"]
-    gib = 2**30
     for mode, step in steps.items():
         lines.append(f"{mode:<14}{step.weights / gib:>9.2f}{step.gradients / gib:>9.2f}{step.optimizer / gib:>9.2f}"
                      f"{step.other / gib:>9.2f}"
                      f"{micro_batch * step.activations_per_image / gib:>9.2f}{step.peak(micro_batch) / gib:>9.2f}")
     lines += ["", f"largest micro-batch that fits, keeping {SAFETY_MARGIN:.0%} free (0 = none)",
-              f"{'checkpointing':<14}" + "".join(f"{f'{gb} GB':>7}" for gb in CARDS_GB)]
+              f"{'checkpointing':<14}" + "".join(f"{f'{gb} GB':>9}" for gb in CARDS_GB)]
     for mode, step in steps.items():
-        lines.append(f"{mode:<14}" + "".join(f"{step.largest_micro_batch(gb * 1e9):>7}" for gb in CARDS_GB))
+        lines.append(f"{mode:<14}" + "".join(f"{step.largest_micro_batch(gb * 1e9):>9}" for gb in CARDS_GB))
+    lines.append(f"{'auto picks':<14}" + "".join(f"{auto_choice(steps, micro_batch, gb * 1e9):>9}" for gb in CARDS_GB))
+    lines.append(f"(auto picks: what train.checkpointing=auto chooses for micro-batch {micro_batch}; "
+                 "full/N: even full needs micro-batch N)")
     return "\n".join(lines)

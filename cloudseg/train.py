@@ -37,9 +37,9 @@ from cloudseg.files import atomic_path
 from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_usable_device, resolve_device,
                                resolve_precision, speed_switches)
 from cloudseg.loss import per_image_loss
-from cloudseg.memory import resolve_micro_batch
+from cloudseg.memory import resolve_checkpointing, resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
-from cloudseg.model import CloudNet, build_model, prepare_for_training, train_mode
+from cloudseg.model import CloudNet, build_model, prepare_for_training, set_checkpointing, train_mode
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
 from cloudseg.postprocess import RULE_FILE, postprocess, quantize, write_rule_file
 from cloudseg.predict import batch_probabilities
@@ -143,12 +143,8 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
     if config.data.decode == "gpu":
         require_gpu_decode(device)
-    speed_switches(device)  # before the micro-batch probe, so that it measures the same algorithms
-    model = build_model(config.model).to(device)
-    prepare_for_training(model, config.train.channels_last, config.train.checkpointing)
-    if config.model.norm == "frozen" and config.model.encoder_weights is None:
-        log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
-    config.train.micro_batch = resolve_micro_batch(config, model, train_set.image_size, device, distributed.world_size())
+    speed_switches(device, config.train.deterministic)  # before the probes, so that they measure the same algorithms
+    model = training_model(config, train_set.image_size, device)
     dtype = autocast_dtype(config.train.precision, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
@@ -167,6 +163,20 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     if resume and run.ema is not None:
         restore_ema(saved, run_dir / "last.pt", model, run.ema)
     return run, start_epoch, progress
+
+
+def training_model(config: Config, image_size, device: torch.device) -> CloudNet:
+    """The model on `device` with the memory switches of `train.*`; `checkpointing` and
+    `micro_batch` are resolved into `config` (probed on a GPU where they are auto)."""
+    model = build_model(config.model).to(device)
+    if config.model.norm == "frozen" and config.model.encoder_weights is None:
+        log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
+    prepare_for_training(model, config.train.channels_last, "none")
+    world = distributed.world_size()
+    config.train.checkpointing = resolve_checkpointing(config, model, image_size, device, world)
+    set_checkpointing(model, config.train.checkpointing)
+    config.train.micro_batch = resolve_micro_batch(config, model, image_size, device, world)
+    return model
 
 
 def averaged(model: CloudNet, decay: float | None) -> AveragedModel | None:

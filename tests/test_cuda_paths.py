@@ -1,140 +1,244 @@
-"""The CUDA branches of the memory planner, run on the CPU with the CUDA allocator faked.
+"""The CUDA branches of the memory planner, run on the CPU.
 
-No GPU is needed: `torch.cuda`'s memory statistics are replaced by fakes that record how
-they were used, so the probing logic itself (what is measured, when, against what) is tested.
+Two kinds of test: the calls into torch.cuda run against the strict fake of tests/fake_cuda.py
+(a GPU that refuses what torch refuses) with no tensor involved; the steps that compute on
+tensors run on the CPU, their allocator reading (`memory.peak_bytes`) replaced by a number.
 """
+
+import logging
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from cloudseg import distributed, memory
+from cloudseg.cli import main
 from cloudseg.config import load_config
-from cloudseg.model import build_model, norm_statistics
+from cloudseg.model import build_model, norm_statistics, prepare_for_training
+from tests.fake_cuda import H100, Card
 
-CUDA = torch.device("cuda")
+GPU0 = torch.device("cuda", 0)
+CPU = torch.device("cpu")
 GiB = 2**30
+MEASURED_ON_THE_H100 = {"none": 9.70 * GiB, "encoder": 7.72 * GiB, "full": 5.91 * GiB}  # micro-batch 4, bf16
 
 
 @pytest.fixture
 def tiny_model():
-    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]"])
+    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]", "train.device=cpu"])
     torch.manual_seed(0)
     return build_model(config.model, pretrained=False).train(), config
 
 
-def test_measured_peak_reads_the_peak_after_a_real_backward_and_leaves_the_model_as_it_was(tiny_model, monkeypatch):
-    """Would catch: reading the peak before backward, forgetting AdamW's two states, leaving
-    gradients or updated BatchNorm statistics behind (the probe must not train)."""
+def test_the_fake_refuses_what_torch_refuses(fake_cuda):
+    """The crash found on the H100: set_per_process_memory_fraction given torch.device("cuda").
+    Would catch: a fake as lax as the one that let that crash through (it took any device)."""
+    fake_cuda(H100)
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        torch.cuda.set_per_process_memory_fraction(0.5, torch.device("cuda"))
+    with pytest.raises(ValueError, match="Expected a cuda device"):
+        torch.cuda.max_memory_allocated(CPU)
+    with pytest.raises(TypeError, match="must be `float`"):
+        torch.cuda.set_per_process_memory_fraction(1, GPU0)
+    with pytest.raises(AssertionError, match="Invalid device id"):
+        torch.cuda.get_device_properties(1)
+    torch.cuda.set_per_process_memory_fraction(0.5, GPU0)
+    assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
+    assert torch.cuda.mem_get_info(torch.device("cuda")) == (H100.total_memory, H100.total_memory)  # optional index
+
+
+def test_peak_bytes_reads_the_allocator_after_the_run_has_finished(fake_cuda):
+    """Would catch: the peak read before the run or before synchronizing, or never reset."""
+    cuda = fake_cuda(H100)
+    cuda.cards[0].peak = 99
+
+    def run():
+        cuda.calls.append(("run",))
+        cuda.cards[0].peak = 5 * GiB
+
+    assert memory.peak_bytes(GPU0, run) == 5 * GiB
+    assert [call[0] for call in cuda.calls] == ["empty_cache", "reset_peak_memory_stats", "run", "synchronize",
+                                                "empty_cache"]
+
+
+def test_measured_peak_warms_up_then_measures_a_real_backward_and_leaves_the_model_as_it_was(tiny_model, monkeypatch):
+    """Would catch: measuring the first step (cuDNN's algorithm search, not what training holds),
+    no backward in the measured run, forgetting AdamW's two states, and a probe that trains
+    (gradients or BatchNorm statistics left behind)."""
     model, config = tiny_model
     statistics = norm_statistics(model)
-    calls = []
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    backwards = []
+    next(model.parameters()).register_hook(lambda grad: backwards.append(1))
 
-    def peak(device=None):
-        assert all(p.grad is not None for p in model.parameters() if p.requires_grad), "backward has not run"
-        calls.append("peak")
+    def peak_bytes(device, run):
+        assert device == CPU and len(backwards) == 1  # the warm-up step has run, unmeasured
+        run()
+        assert len(backwards) == 2
         return 3 * GiB
 
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak)
-    result = memory.measured_peak(model, config, 2, (64, 96), torch.device("cpu"))
-    assert calls == ["reset", "sync", "peak"]
-    assert result == 3 * GiB + 2 * memory.parameter_bytes(model)
+    monkeypatch.setattr(memory, "peak_bytes", peak_bytes)
+    assert memory.measured_peak(model, config, 2, (64, 96), CPU) == 3 * GiB + 2 * memory.parameter_bytes(model)
     assert all(p.grad is None for p in model.parameters())
     for name, value in norm_statistics(model).items():
         assert torch.equal(value, statistics[name]), name
 
 
-def fake_gpu(monkeypatch, free, reserved, peak_per_image, fixed, oom_above=None):
-    """A GPU with `free` + `reserved` bytes for this process, and a step that needs
-    `fixed + n × peak_per_image` (out of memory above `oom_above` images)."""
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GiB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0, raising=False)
+def fake_probes(monkeypatch, peak_of):
+    """memory.measured_peak replaced: `peak_of(mode, n)` bytes (or None: out of memory), where
+    the mode is read off the wrappers the model carries now. Returns the (mode, n) probed."""
     probed = []
 
     def measured_peak(model, config, n, image_size, device):
-        probed.append(n)
-        if oom_above is not None and n > oom_above:
+        wrapped = {name for name, m in model.named_modules() if "forward" in vars(m)}
+        mode = "full" if "unet.decoder.blocks.0" in wrapped else "encoder" if "unet.encoder" in wrapped else "none"
+        probed.append((mode, n))
+        if peak_of(mode, n) is None:
             raise torch.cuda.OutOfMemoryError("simulated")
-        return fixed + n * peak_per_image
+        return peak_of(mode, n)
 
     monkeypatch.setattr(memory, "measured_peak", measured_peak)
     return probed
 
 
-def test_auto_probes_against_free_plus_reserved_memory(tiny_model, monkeypatch):
+def test_auto_probes_against_free_plus_reserved_memory(tiny_model, fake_cuda, monkeypatch):
     """Would catch: probing against the card's total memory (another process holds most of
     it here) or ignoring what this process has reserved already."""
     model, config = tiny_model
     config.train.micro_batch, config.train.effective_batch = "auto", 16
-    probed = fake_gpu(monkeypatch, free=5 * GiB, reserved=1 * GiB, peak_per_image=1 * GiB, fixed=0.3 * GiB,
-                      oom_above=8)
+    fake_cuda(Card("a shared GPU", (8, 6), 80 * GiB, free=5 * GiB, reserved=1 * GiB))
+    probed = fake_probes(monkeypatch, lambda mode, n: None if n > 8 else 0.3 * GiB + n * GiB)
     # room = 0.9 × 6 GiB = 5.4 GiB: 5 images need 5.3 GiB, but only divisors of 16 are candidates
-    assert memory.resolve_micro_batch(config, model, (64, 96), CUDA) == 4
-    assert probed == [16, 8, 4]  # largest first; 16 and 8 do not fit (16 runs out of memory)
+    assert memory.resolve_micro_batch(config, model, (64, 96), GPU0) == 4
+    assert [n for _, n in probed] == [16, 8, 4]  # largest first; 16 and 8 do not fit (16 runs out of memory)
 
 
-def test_auto_under_ddp_counts_the_gradient_buckets_and_takes_every_rank_s_smallest(tiny_model, monkeypatch):
+def test_auto_under_ddp_counts_the_gradient_buckets_and_takes_every_rank_s_smallest(tiny_model, fake_cuda,
+                                                                                      monkeypatch):
     """Would catch: a probe that forgets DDP's bucket copy of the gradients, and ranks that
     keep their own answers (the sampler would cut windows differently on each)."""
     model, config = tiny_model
     config.train.micro_batch, config.train.effective_batch = "auto", 16
     buckets = memory.parameter_bytes(model)
-    fake_gpu(monkeypatch, free=4 * GiB, reserved=0, peak_per_image=0.9 * GiB - buckets / 8, fixed=0)
+    fake_cuda(Card("a small GPU", (8, 6), 4 * GiB))
+    fake_probes(monkeypatch, lambda mode, n: n * (0.9 * GiB - buckets / 8))
     # per rank 8 images a window: 4 images need 3.6 GiB - buckets/2, plus the buckets > 0.9 × 4 GiB
     asked = []
     monkeypatch.setattr(distributed, "smallest", lambda value, device: asked.append(value) or 1)
-    assert memory.resolve_micro_batch(config, model, (64, 96), CUDA, world=2) == 1
+    assert memory.resolve_micro_batch(config, model, (64, 96), GPU0, world=2) == 1
     assert asked == [2]
 
 
-def _smallest_on_rank(rank, world, init_file, values, results):
+@pytest.mark.parametrize("card_gb, expected, shrinks", [
+    (80, "none", False), (11, "encoder", False), (8, "full", False), (6, "full", True)])
+def test_checkpointing_auto_takes_the_least_recomputation_that_fits(tiny_model, fake_cuda, monkeypatch, caplog,
+                                                                    card_gb, expected, shrinks):
+    """The H100's measured peaks at micro-batch 4 on cards of 80, 11, 8 and 6 GB (10% kept free).
+    Would catch: trying the modes in another order (always full), comparing against the card's
+    total rather than the margin (none on 11 GB), probing at another micro-batch than the
+    configured one, and shrinking the micro-batch while some mode still fits."""
+    model, config = tiny_model
+    config.train.checkpointing, config.train.micro_batch, config.train.effective_batch = "auto", 4, 16
+    fake_cuda(Card("a card", (8, 6), card_gb * 10**9))
+    probed = fake_probes(monkeypatch, lambda mode, n: MEASURED_ON_THE_H100[mode])
+    with caplog.at_level(logging.INFO, logger="cloudseg"):
+        assert memory.resolve_checkpointing(config, model, (64, 96), GPU0) == expected
+    assert {n for _, n in probed} == {4}
+    assert [mode for mode, _ in probed] == list(memory.CHECKPOINTING_MODES[:memory.CHECKPOINTING_MODES.index(expected) + 1])
+    assert (config.train.micro_batch == "auto") == shrinks
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.checkpointing=auto")]
+    assert len(lines) == 1 and f"auto: {expected} (micro-batch 4: none 9.70 GiB" in lines[0]
+
+
+def test_checkpointing_auto_plans_for_four_images_when_the_micro_batch_is_auto_too(tiny_model, fake_cuda, monkeypatch):
+    """Would catch: probing checkpointing at micro-batch 16 (the whole window: always full) when
+    micro_batch is auto; auto then takes the largest micro-batch under the chosen mode."""
+    model, config = tiny_model
+    config.train.checkpointing, config.train.micro_batch, config.train.effective_batch = "auto", "auto", 16
+    fake_cuda(Card("an 11 GB card", (7, 5), 11 * 10**9))
+    probed = fake_probes(monkeypatch, lambda mode, n: MEASURED_ON_THE_H100[mode] / 4 * n)
+    assert memory.resolve_checkpointing(config, model, (64, 96), GPU0) == "encoder"
+    assert probed == [("none", 4), ("encoder", 4)]
+
+
+def test_checkpointing_auto_agrees_across_processes_on_the_most_recomputation(tiny_model, fake_cuda, monkeypatch):
+    """This GPU fits none, another rank's needs full. Would catch: each rank keeping its own mode
+    (the ranks' recomputations and memory would differ), or the least of them winning."""
+    model, config = tiny_model
+    config.train.checkpointing, config.train.micro_batch = "auto", 4
+    fake_cuda(H100)
+    fake_probes(monkeypatch, lambda mode, n: MEASURED_ON_THE_H100[mode])
+    monkeypatch.setattr(distributed, "largest", lambda value, device: max(value, 2))
+    assert memory.resolve_checkpointing(config, model, (64, 96), GPU0, world=2) == "full"
+
+
+def test_checkpointing_auto_on_the_cpu_is_none_and_explicit_modes_pass(tiny_model):
+    """Would catch: probing on a CPU (no allocator to read) and overriding an explicit choice."""
+    model, config = tiny_model
+    config.train.checkpointing = "auto"
+    assert memory.resolve_checkpointing(config, model, (64, 96), CPU) == "none"
+    config.train.checkpointing = "encoder"
+    assert memory.resolve_checkpointing(config, model, (64, 96), GPU0) == "encoder"
+
+
+def _extreme_on_rank(rank, world, init_file, values, results):
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     import os
 
     os.environ["WORLD_SIZE"] = str(world)
-    results[rank] = distributed.smallest(values[rank], torch.device("cpu"))
+    results[rank] = (distributed.smallest(values[rank], CPU), distributed.largest(values[rank], CPU))
     torch.distributed.destroy_process_group()
 
 
-def test_smallest_agrees_across_processes(tmp_path):
-    """Would catch: each rank keeping its own value, or the largest one winning."""
+def test_smallest_and_largest_agree_across_processes(tmp_path):
+    """Would catch: each rank keeping its own value, or the reductions swapped."""
     results = mp.Manager().dict()
-    mp.spawn(_smallest_on_rank, args=(2, tmp_path / "init", [4, 2], results), nprocs=2)
-    assert dict(results) == {0: 2, 1: 2}
+    mp.spawn(_extreme_on_rank, args=(2, tmp_path / "init", [4, 2], results), nprocs=2)
+    assert dict(results) == {0: (2, 4), 1: (2, 4)}
 
 
-def test_limit_gb_caps_the_process_and_reports_every_precision_and_mode(monkeypatch):
-    """`cloudseg memory --limit-gb` with the CUDA calls faked and a model that runs out of
-    memory above one image. Would catch: a cap computed against something other than the
-    card's total, a precision or checkpointing mode left out, and a retry that is not run."""
-    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]", "data.image_size=[64,96]",
-                                               "train.effective_batch=4"])
-    fractions = []
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 80e9}))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * GiB)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    real_build = memory.build_model
+def test_memory_limit_gb_caps_the_gpu_it_names_and_reports_every_precision_and_mode(fake_cuda, monkeypatch, capsys):
+    """`cloudseg memory --limit-gb 11` on a (fake) H100, the steps themselves replaced. Would catch
+    the crash of 2026-11-23 (the cap given torch.device("cuda"), which torch refuses), a cap
+    computed against something other than the card's total, and a precision or mode left out."""
+    cuda = fake_cuda(H100)
+    steps = []
+    monkeypatch.setattr(memory, "capped_steps", lambda config, n, size, device: steps.append(
+        (config.train.precision, config.train.checkpointing, n, device)) or (3 * GiB, n, 4))
+    monkeypatch.setattr(memory, "auto_under_cap", lambda config, precision, n, size, device: "encoder")
+    assert main(["memory", "-c", "configs/fullres.yaml", "--limit-gb", "11", "model.encoder_weights=null"]) == 0
+    assert cuda.calls[0] == ("set_per_process_memory_fraction", pytest.approx(11e9 / H100.total_memory), 0)
+    assert steps == [(p, m, 4, GPU0) for p in ("fp16", "bf16") for m in memory.CHECKPOINTING_MODES]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("fp16", "bf16"))]
+    assert [row[:2] for row in rows] == [[p, m] for p in ("fp16", "bf16") for m in (*memory.CHECKPOINTING_MODES, "auto")]
+    assert all(row[2:] == ["3.00", "4", "4", "yes"] for row in rows if row[1] != "auto")
+    assert all(row[2:] == ["->", "encoder"] for row in rows if row[1] == "auto")
+
+
+def test_capped_steps_retry_down_to_what_fits_and_read_the_peak_of_two_steps(monkeypatch):
+    """On the CPU, a model that runs out of memory above one image. Would catch: a retry that is
+    not run (nothing trained), the peak read around one step only, and micro_batch auto not asked."""
+    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]", "train.effective_batch=4",
+                                               "train.micro_batch=auto", "train.checkpointing=none"])
+    real_build, forwards = memory.build_model, []
 
     def one_image_at_most(*args, **kwargs):
         model = real_build(*args, **kwargs)
 
         def refuse(module, args):
-            if torch.is_grad_enabled() and len(args[0]) > 1:
-                raise torch.cuda.OutOfMemoryError("simulated")
+            if torch.is_grad_enabled():
+                forwards.append(len(args[0]))
+                if len(args[0]) > 1:
+                    raise torch.cuda.OutOfMemoryError("simulated")
 
         model.register_forward_pre_hook(refuse)
         return model
 
+    def peak_bytes(device, run):
+        before = len(forwards)
+        run()
+        assert forwards[before:] == [2, 1, 1, 1, 1]  # refused at 2, then two steps of 2 micro-batches of 1
+        return 3 * GiB
+
     monkeypatch.setattr(memory, "build_model", one_image_at_most)
-    table = memory.capped(config, 11, 2, torch.device("cpu"))
-    assert fractions == [pytest.approx(11 / 80)]
-    rows = [line.split() for line in table.splitlines() if line.startswith(("fp16", "bf16"))]
-    assert [(row[0], row[1]) for row in rows] == [(p, m) for p in ("fp16", "bf16") for m in memory.CHECKPOINTING_MODES]
-    for row in rows:
-        assert row[2:] == ["3.00", "1", "4", "no"]  # retried down to 1 image; auto on a CPU device: largest divisor <= 4
+    monkeypatch.setattr(memory, "peak_bytes", peak_bytes)
+    assert memory.capped_steps(config, 2, (64, 96), CPU) == (3 * GiB, 1, 4)  # auto on a CPU: largest divisor <= 4

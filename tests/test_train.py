@@ -96,6 +96,26 @@ def test_resumed_run_ends_with_the_same_parameters_as_a_straight_run(data, tmp_p
     assert pd.read_csv(interrupted / "metrics.csv")["epoch"].tolist() == [1, 2]
 
 
+def test_deterministic_training_runs_with_deterministic_algorithms_and_refuses_no_op(data, tmp_path, monkeypatch):
+    """train.deterministic=true on the CPU (the GPU's bit-exact resume is tests/test_gpu.py's).
+    Would catch: the switch not reaching speed_switches, and an op of the step that PyTorch has
+    no deterministic algorithm for (it raises in this mode)."""
+    seen = []
+    real_step = train_module.resilient_step
+
+    def step(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "resilient_step", step)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        train(tiny_config(data, "train.deterministic=true"), tmp_path / "run")
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen and all(seen)
+
+
 def test_scheduler_and_optimizer_step_once_per_window(data, tmp_path):
     config = tiny_config(data, "train.epochs=3")
     train(config, tmp_path / "run")

@@ -1,0 +1,92 @@
+"""The CPU's memory estimate (memory.estimate): a training step run on fake tensors, its live
+bytes counted. Checked by hand on small cases and against a real GPU's measurements."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cloudseg import model as model_module
+from cloudseg.config import load_config
+from cloudseg.memory import LiveBytes, estimate
+
+GiB = 2**30
+
+
+def test_live_bytes_counts_storages_once_and_releases_them_when_freed():
+    """Would catch: a view counted as new memory, a storage counted before its last view dies,
+    freed memory never subtracted, or the peak taken as the final total."""
+    with FakeTensorMode(), LiveBytes() as live:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        view = a[::2]
+        b = torch.empty(500, dtype=torch.bfloat16)  # 1000: 5000 alive, the peak
+        del a  # its view keeps the storage
+        assert live.live == 5000
+        del view
+        c = torch.empty(2000, dtype=torch.uint8)
+        assert (live.live, live.peak) == (3000, 5000)
+        del b, c
+
+
+def test_live_bytes_sees_what_autograd_saves_and_the_backward_transients():
+    """x (4000 bytes); y = exp(x), 4000, saved for backward; y·y, 4000, and its sum (4 bytes)
+    live together before y·y goes: 12004. Backward adds the seed (4), mul's two products y·g
+    (4000 each) while they are summed into y's gradient (4000): 20008; x.grad (4000) remains.
+    Would catch: saved tensors or the backward's transients missed, a total taken at the end."""
+    with FakeTensorMode(), LiveBytes() as live:
+        x = torch.empty(1000, requires_grad=True)
+        y = x.exp()
+        loss = (y * y).sum()
+        assert (live.peak, live.live) == (12004, 8004)
+        loss.backward()
+        assert (live.peak, live.live) == (20008, 12004)  # x, y, x.grad and the loss remain
+
+
+@pytest.fixture(scope="module")
+def fullres_estimate():
+    return estimate(load_config("configs/fullres.yaml", ["model.encoder_weights=null"]))
+
+
+def blocks_measured_on_the_h100(model, mode):
+    """The blocks that `checkpointing` wrapped when the H100 figures were taken (2026-11-23):
+    encoder blocks one by one, plus decoder blocks for full."""
+    encoder = list(model_module._blocks(model.unet.encoder))
+    return {"none": [], "encoder": encoder, "full": encoder + list(model_module._blocks(model.unet.decoder))}[mode]
+
+
+def test_the_estimate_lands_within_10_percent_of_the_h100_measurements(monkeypatch):
+    """`cloudseg memory -c configs/fullres.yaml` measured on one NVIDIA H100 (torch 2.11, bf16,
+    micro-batch 4, 2026-11-23) 9.70, 7.72 and 5.91 GiB for none, encoder and full, with the
+    blocks of that day. Would catch: the estimate that preceded this one (8.73, 7.25, 4.65 GiB:
+    saved tensors only, scaled by 0.5 for bf16; 21% low for full), a step without its loss or
+    backward, autocast not applied."""
+    monkeypatch.setattr(model_module, "checkpoint_blocks", blocks_measured_on_the_h100)
+    steps = estimate(load_config("configs/fullres.yaml", ["model.encoder_weights=null"]))
+    for mode, measured in {"none": 9.70, "encoder": 7.72, "full": 5.91}.items():
+        assert steps[mode].peak(4) / GiB == pytest.approx(measured, rel=0.10), mode
+
+
+def test_the_table_never_fits_four_images_into_11_gb_without_checkpointing(fullres_estimate):
+    """Capped at 11 GB on the H100, micro-batch 4 without checkpointing ran out of memory (fp16 and
+    bf16), and with encoder or full it trained. Would catch: the old table, which said 4 fit."""
+    assert fullres_estimate["none"].largest_micro_batch(11e9) < 4
+    assert fullres_estimate["encoder"].largest_micro_batch(11e9) >= 4
+    assert fullres_estimate["full"].largest_micro_batch(11e9) >= 4
+
+
+def test_checkpointing_modes_now_save_what_they_promise(fullres_estimate):
+    """encoder checkpoints the whole encoder in one region and full nests its blocks: both lower
+    than per-block checkpointing (7.85 and 5.52 GiB estimated), full under 5.5 GiB with 10% to
+    spare. Would catch: a mode that wraps nothing more than before."""
+    peaks = {mode: step.peak(4) / GiB for mode, step in fullres_estimate.items()}
+    assert peaks["full"] < peaks["encoder"] < peaks["none"]
+    assert peaks["encoder"] < 0.9 * 7.85 and peaks["full"] < 0.9 * 5.5
+
+
+def test_bf16_halves_the_activations_but_not_the_fp32_loss():
+    """Would catch: autocast not applied (ratio 1), or every tensor halved, the loss's float32
+    logits and masks included (ratio 0.5, what the old estimate assumed)."""
+    options = ["model.encoder=resnet18", "model.decoder_channels=[64,32,16,16,16]"]
+    fp32 = estimate(load_config("configs/demo.yaml", [*options, "train.precision=fp32"]), (256, 384))
+    bf16 = estimate(load_config("configs/demo.yaml", [*options, "train.precision=bf16"]), (256, 384))
+    assert 0.5 < bf16["none"].activations_per_image / fp32["none"].activations_per_image < 0.65
+    assert bf16["none"].weights == fp32["none"].weights and bf16["none"].optimizer == 2 * bf16["none"].weights
