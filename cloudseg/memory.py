@@ -177,7 +177,7 @@ def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, w
     probed = ", ".join(f"{m} {'out of memory' if p is None else f'{p / 2**30:.2f} GiB'}" for m, p in peaks.items())
     log.info("train.checkpointing=auto: %s (micro-batch %d: %s; %.2f GiB usable%s)", agreed, micro_batch, probed,
              capacity / 2**30, "" if agreed == mode else f"; {mode} fits this GPU, {agreed} every process's")
-    if not fits:
+    if distributed.largest(int(not fits), device):  # on every rank, or their micro-batch probes would not pair up
         log.warning("even train.checkpointing=full does not fit micro-batch %d: train.micro_batch shrinks (auto)",
                     micro_batch)
         config.train.micro_batch = "auto"

@@ -161,14 +161,23 @@ def test_checkpointing_auto_plans_for_four_images_when_the_micro_batch_is_auto_t
 
 
 def test_checkpointing_auto_agrees_across_processes_on_the_most_recomputation(tiny_model, fake_cuda, monkeypatch):
-    """This GPU fits none, another rank's needs full. Would catch: each rank keeping its own mode
-    (the ranks' recomputations and memory would differ), or the least of them winning."""
+    """This GPU fits none, another rank's needs full and even then must shrink its micro-batch.
+    Would catch: each rank keeping its own mode or micro-batch (the ranks' windows and all-reduces
+    would not pair up), or the least of them winning."""
     model, config = tiny_model
     config.train.checkpointing, config.train.micro_batch = "auto", 4
     fake_cuda(H100)
     fake_probes(monkeypatch, lambda mode, n: MEASURED_ON_THE_H100[mode])
-    monkeypatch.setattr(distributed, "largest", lambda value, device: max(value, 2))
+    asked = []
+
+    def largest(value, device):  # the other rank: full (index 2), and it must shrink (1)
+        asked.append(value)
+        return max(value, 2 if len(asked) == 1 else 1)
+
+    monkeypatch.setattr(distributed, "largest", largest)
     assert memory.resolve_checkpointing(config, model, (64, 96), GPU0, world=2) == "full"
+    assert asked == [0, 0]  # this rank: none fits; and it need not shrink, but another rank does:
+    assert config.train.micro_batch == "auto"  # every rank probes the micro-batch, or the all-reduces would hang
 
 
 def test_checkpointing_auto_on_the_cpu_is_none_and_explicit_modes_pass(tiny_model):
