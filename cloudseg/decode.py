@@ -237,8 +237,10 @@ def _lerp(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """a·b + c in float32, rounded once as an FMA instruction does: in float64 the product of
     two float32 values is exact, and so is its sum with a third at the magnitudes here
-    (pixel values, coordinates below 2^12), which leaves the one rounding to float32."""
-    return (a.double() * b.double() + c.double()).float()
+    (pixel values, coordinates below 2^12), which leaves the one rounding to float32. In
+    place, so that one float64 temporary is alive at a time."""
+    exact = c.double().broadcast_to(torch.broadcast_shapes(a.shape, b.shape, c.shape)).contiguous()
+    return exact.addcmul_(a, b).float()
 
 
 def _pick(tensor: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
