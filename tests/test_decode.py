@@ -20,8 +20,8 @@ from albumentations.augmentations.geometric.functional import center, create_aff
 
 from cloudseg import oof, predict, rle, train
 from cloudseg.cli import main
-from cloudseg.config import load_config
-from cloudseg.data import CloudDataset, build_transform, collate, mask_runs
+from cloudseg.config import DataConfig, load_config
+from cloudseg.data import CloudDataset, build_transform, collate, make_loader, mask_runs
 from cloudseg.decode import check_replayable, decode_batch, draw_steps, resolve_decode, warp_affine
 from cloudseg.synth import synthesize
 from cloudseg.task import LABELS
@@ -337,10 +337,16 @@ def test_undecodable_data_behind_a_valid_header_is_named_at_decode(tiny_data, tm
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_decode_is_close_to_cpu_mode(tiny_data):
-    """On a GPU: masks decoded from runs and warped there exactly as on the CPU, nvjpeg's
-    images within torchvision's own CPU-vs-CUDA bound (mean |diff| < 2), all on the GPU."""
-    cpu, _, decoded = both_modes(tiny_data, ALL, device="cuda")
+def test_cuda_path_through_the_training_loader_is_close_to_cpu_mode(tiny_data):
+    """On a GPU, through the training loader (worker processes, pinned memory): masks decoded
+    from runs and warped there exactly as on the CPU, nvjpeg's images within torchvision's
+    own CPU-vs-CUDA bound (mean |diff| < 2), all on the GPU. Would catch a hand-over that
+    pinning or the workers break, or an operation that rounds otherwise on CUDA."""
+    cpu, _, _ = both_modes(tiny_data, ALL)
+    dataset = CloudDataset(tiny_data, decode="gpu")
+    dataset.transform = transform_for(ALL, dataset.image_size)
+    loader = make_loader(dataset, DataConfig(num_workers=2), len(KEYS), torch.device("cuda"), sampler=KEYS)
+    decoded = decode_batch(next(iter(loader)), torch.device("cuda"))
     assert decoded["image"].device.type == decoded["mask"].device.type == "cuda"
     assert torch.equal(decoded["mask"].cpu(), cpu["mask"])
     assert (decoded["image"].cpu().float() - cpu["image"].float()).abs().mean() < 2
@@ -350,5 +356,7 @@ def test_loader_benchmark_prints_its_table():
     out = subprocess.run([sys.executable, "benchmarks/loader_speed.py", "--height", "64", "--width", "96", "--n", "4",
                           "--workers", "1", "--epochs", "1"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    assert "| cpu decode (OpenCV in workers) |" in out and "| gpu mode, workers only (bytes + masks) |" in out
-    assert "unmeasured: no CUDA" in out or "| gpu decode (nvjpeg) |" in out
+    assert "| cpu mode: decode + augment in the workers |" in out
+    assert "| gpu mode: the workers' share (bytes, runs, draws) |" in out
+    assert "| gpu mode: + decode and augment on cpu |" in out or "| gpu mode: + decode and augment on cuda |" in out
+    assert "main-process CPU ms/sample" in out
