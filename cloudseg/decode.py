@@ -6,10 +6,10 @@ At 1400×2100 a sample is a JPEG decode, four full-size RLE decodes, augmentatio
 about 20 MB of copies: CPU work that stops scaling before the GPU is fed. In gpu mode a
 worker only reads the JPEG's bytes (header checked, not decoded), parses and checks the
 four RLE strings into runs (`rle.runs`), and draws the augmentation with the very
-albumentations transform the CPU path runs, seeded the same (`draw_steps`): a few kilobytes
-a sample. `decode_batch` then decodes the micro-batch on the GPU, images with nvjpeg
-(`torchvision.io.decode_jpeg` on a list) and masks with one batched RLE decode
-(`rle.decode_runs`), and replays each item's steps there (`replay`).
+albumentations transform the CPU path runs, seeded the same (`draw_steps`): the JPEG and tens
+of kilobytes a sample, instead of 20 MB. `decode_batch` then decodes the micro-batch on the
+GPU, images with nvjpeg (`torchvision.io.decode_jpeg` on a list) and masks with one batched
+RLE decode (`rle.decode_runs`), and replays each item's steps there (`replay`).
 
 The replay computes what albumentations 2.0 with OpenCV 5.0 computes on the CPU: flips and
 the no-data band exactly; brightness/contrast through the 256-entry table that
