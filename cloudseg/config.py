@@ -34,9 +34,10 @@ class DataConfig(Section):
         "raise", description="a bad image or train.csv row: raise = stop with an error naming it; "
         "skip = leave it out with a warning, listed in RUN/skipped.csv (run `cloudseg check` first)"
     )
-    decode: Literal["cpu", "gpu"] = Field(
-        "cpu", description="where training JPEGs are decoded: cpu = in the DataLoader workers; gpu = batched on "
-        "the GPU (nvjpeg), workers only read bytes and masks; flip augmentations only, needs CUDA"
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="where images and masks are decoded and augmented: cpu = in the DataLoader workers; "
+        "gpu = batched on the GPU (nvjpeg, RLE), workers only read bytes and draw the augmentation; needs CUDA; "
+        "auto = gpu when the run is on CUDA, else cpu"
     )
 
 
@@ -174,15 +175,6 @@ class Config(Section):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     predict: PredictConfig = PredictConfig()
-
-    @model_validator(mode="after")
-    def _gpu_decode_flips_only(self):
-        # Flips are the one augmentation the GPU can replay on the image after decoding.
-        enabled = [f"augment.{name}" for name, p in self.augment if name not in ("hflip", "vflip") and p]
-        if self.data.decode == "gpu" and enabled:
-            raise ValueError(f"data.decode=gpu allows only flip augmentations; set {', '.join(enabled)} to 0 "
-                             "or use data.decode=cpu")
-        return self
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

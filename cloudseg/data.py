@@ -21,7 +21,7 @@ from sklearn.model_selection import StratifiedKFold
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from cloudseg import rle
-from cloudseg.decode import DECODE_MODES, apply_flips, check_flips_only, drawn_flips
+from cloudseg.decode import ENCODED_KEYS, check_replayable, draw_steps
 from cloudseg.files import atomic_path
 from cloudseg.task import (
     FOLDS_CSV,
@@ -113,13 +113,25 @@ def test_image_ids(data_dir: str | Path, problems: list[Problem] | None = None) 
 
 def decode_masks(table: pd.DataFrame, image_id: str, shape, source) -> list[np.ndarray]:
     """The four masks (LABELS order) of one image of a label table; errors name `source` and the row."""
-    masks = []
+    return _per_label(table, image_id, source, lambda encoded: rle.decode(encoded, shape))
+
+
+def mask_runs(table: pd.DataFrame, image_id: str, shape, source) -> torch.Tensor:
+    """The runs of one image's four masks (LABELS order) as one `rle.runs` sequence, what
+    `rle.decode_runs` decodes (data.decode=gpu); errors name `source` and the row."""
+    runs = _per_label(table, image_id, source, lambda encoded: torch.from_numpy(rle.runs(encoded, shape)))
+    return rle.concat_runs(runs, shape[0] * shape[1])
+
+
+def _per_label(table: pd.DataFrame, image_id: str, source, read) -> list:
+    """`read` of each label's RLE string of one image; a ValueError names `source` and the row."""
+    out = []
     for label in LABELS:
         try:
-            masks.append(rle.decode(table.at[image_id, label], shape))
+            out.append(read(table.at[image_id, label]))
         except ValueError as error:
             raise ValueError(f"{source} ({image_id}_{label}): {error}") from None
-    return masks
+    return out
 
 
 # ---------------------------------------------------------------------------------- images
@@ -241,9 +253,10 @@ class CloudDataset(Dataset):
     gives the item `{"image_id", "problem": Problem}`, which `collate` moves aside.
 
     `decode="gpu"` (see cloudseg.decode): `image` is the file's JPEG bytes (1-D uint8 tensor,
-    header checked, not decoded) and `flips` the [horizontal, vertical] flips drawn for it,
-    already applied to `mask`; `decode_batch` decodes and flips the images. The transform
-    may then hold flips only.
+    header checked, not decoded), `runs` (train split) the four masks' runs (`mask_runs`)
+    and `augment` (with a transform) the steps it draws (`decode.draw_steps`);
+    `decode.decode_batch` decodes and augments a batch of them on the GPU. The transform's
+    steps must be ones it can replay there (`decode.check_replayable`).
     """
 
     def __init__(self, data_dir, split="train", image_ids=None, transform=None, image_size=None,
@@ -252,8 +265,8 @@ class CloudDataset(Dataset):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if on_bad_sample not in ("raise", "skip"):
             raise ValueError(f"on_bad_sample must be 'raise' or 'skip', got {on_bad_sample!r}")
-        if decode not in DECODE_MODES:
-            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        if decode not in ("cpu", "gpu"):
+            raise ValueError(f"decode must be 'cpu' or 'gpu' (decode.resolve_decode resolves auto), got {decode!r}")
         self.decode = decode
         self.data_dir = Path(data_dir)
         self.split = split
@@ -278,7 +291,7 @@ class CloudDataset(Dataset):
     @transform.setter
     def transform(self, transform) -> None:
         if self.decode == "gpu":  # refused when set, not at the first item inside a worker
-            check_flips_only(transform)
+            check_replayable(transform)
         self._transform = transform
 
     def _first_image_size(self) -> tuple[int, int] | None:
@@ -323,21 +336,24 @@ class CloudDataset(Dataset):
         item["image"] = _chw_tensor(image)
         return item
 
-    def _encoded_item(self, image_id: str, data: np.ndarray, masks: list[np.ndarray] | None) -> dict:
-        """gpu mode: the JPEG bytes, the flips drawn for them, and (train split) the masks so flipped."""
-        flips = drawn_flips(self.transform)
-        item = {"image_id": image_id, "image": torch.from_numpy(data), "flips": flips}
-        if masks is not None:
-            item["mask"] = apply_flips(torch.from_numpy(np.stack(masks)), flips)
+    def _encoded_item(self, image_id: str, data: np.ndarray, runs: torch.Tensor | None) -> dict:
+        """gpu mode: the JPEG bytes, (train split) the masks' runs, and the augmentation steps drawn."""
+        item = {"image_id": image_id, "image": torch.from_numpy(data)}
+        if runs is not None:
+            item["runs"] = runs
+        if self.transform is not None:
+            item["augment"] = draw_steps(self.transform, self.image_size)
         return item
 
-    def _read(self, image_id: str) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """The image (gpu mode: its JPEG bytes) and (train split) its four masks; errors name the file or row."""
-        read = read_jpeg_bytes if self.decode == "gpu" else read_image
-        image = read(self.image_dir / image_id, self.image_size)
+    def _read(self, image_id: str) -> tuple[np.ndarray, list[np.ndarray] | torch.Tensor | None]:
+        """The image and (train split) its four masks, or in gpu mode the JPEG bytes and the
+        masks' runs; errors name the file or row."""
+        gpu = self.decode == "gpu"
+        image = (read_jpeg_bytes if gpu else read_image)(self.image_dir / image_id, self.image_size)
         if self.labels is None:
             return image, None
-        return image, decode_masks(self.labels, image_id, self.image_size, self.data_dir / TRAIN_CSV)
+        masks = mask_runs if gpu else decode_masks
+        return image, masks(self.labels, image_id, self.image_size, self.data_dir / TRAIN_CSV)
 
 
 def readable(batches, skipped: list[Problem]):
@@ -352,13 +368,15 @@ def readable(batches, skipped: list[Problem]):
 def collate(items: list[dict]) -> dict:
     """A batch of the readable items; unreadable ones (skip mode) as Problems under "skipped".
 
-    A batch whose every item was unreadable has no "image" key. JPEG bytes (gpu decode
-    mode) vary in length, so they stay a list: `decode.decode_batch` decodes them.
+    A batch whose every item was unreadable has no "image" key. A gpu-mode item's JPEG bytes,
+    mask runs and augmentation steps vary in size, so they stay lists: `decode.decode_batch`
+    turns them into the tensors a cpu-mode batch has.
     """
     good = [item for item in items if "problem" not in item]
     if good and good[0]["image"].dim() == 1:
-        batch = default_collate([{key: value for key, value in item.items() if key != "image"} for item in good])
-        batch["image"] = [item["image"] for item in good]
+        batch = default_collate([{key: value for key, value in item.items() if key not in ENCODED_KEYS}
+                                 for item in good])
+        batch.update({key: [item[key] for item in good] for key in ENCODED_KEYS if key in good[0]})
     else:
         batch = default_collate(good) if good else {}
     batch["skipped"] = [item["problem"] for item in items if "problem" in item]

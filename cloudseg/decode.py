@@ -1,77 +1,152 @@
-"""`data.decode=gpu`: DataLoader workers hand over JPEG bytes, the GPU decodes them (the data
-path's Dataset → loader → model hand-over, moved onto the GPU).
+"""Where the data path's samples are decoded and augmented: in the DataLoader workers
+(`data.decode: cpu`) or on the GPU (`gpu`); `auto`, the default, picks gpu when the run is
+on CUDA (`resolve_decode`, which training, validation, out-of-fold and test prediction ask).
 
-At 1400×2100 the JPEG decode is about half of a training sample's CPU time, and a GPU
-machine may have only 2-4 cores per GPU. In gpu mode a worker reads the file's bytes (its
-header checked, not decoded), decodes and flips the four masks, and records the flips it
-drew; `decode_batch` then decodes a micro-batch's images at once with nvjpeg
-(`torchvision.io.decode_jpeg` on a list) and gives each image its item's flips.
+At 1400×2100 a sample is a JPEG decode, four full-size RLE decodes, augmentation and
+about 20 MB of copies: CPU work that stops scaling before the GPU is fed. In gpu mode a
+worker only reads the JPEG's bytes (header checked, not decoded), parses and checks the
+four RLE strings into runs (`rle.runs`), and draws the augmentation with the very
+albumentations transform the CPU path runs, seeded the same (`draw_steps`): the JPEG and tens
+of kilobytes a sample, instead of 20 MB. `decode_batch` then decodes the micro-batch on the
+GPU, images with nvjpeg (`torchvision.io.decode_jpeg` on a list) and masks with one batched
+RLE decode (`rle.decode_runs`), and replays each item's steps there (`replay`).
 
-Only flips are possible: they are the one augmentation that can be drawn before the image
-exists and replayed on it after decoding. The decode accepts `device="cpu"` too, so the
-whole path is testable without a GPU.
+The replay computes what albumentations 2.0 with OpenCV 5.0 computes on the CPU: flips and
+the no-data band exactly; brightness/contrast through the 256-entry table that
+albumentations itself builds for uint8 images; the affine warp from OpenCV's own inverse
+matrix with OpenCV's float32 arithmetic (source coordinates, rounding, bilinear weights),
+so masks (nearest) and images (bilinear) come out as OpenCV's, bit for bit on the x86 CPUs
+measured (see tests/test_decode.py). A transform with a step it cannot replay is refused
+when it is set (`check_replayable`). Everything here is device-generic: with
+`device="cpu"` the tests run the whole path without a GPU.
 """
 
 from __future__ import annotations
 
 import albumentations as A
+import cv2
 import numpy as np
 import torch
+from albumentations.augmentations.geometric.functional import is_identity_matrix
 
-DECODE_MODES = ("cpu", "gpu")
+from cloudseg import rle
+from cloudseg.task import LABELS
 
-# Each pixel distinct: where the top-left one ends up says which flips the transform drew.
-_PROBE = np.arange(4, dtype=np.uint8).reshape(2, 2)
+ENCODED_KEYS = ("image", "runs", "augment")  # what a gpu-mode item holds that decode_batch turns into tensors
+
+# Every uint8 value in each of three channels: a pixel-wise step applied to it is its lookup table.
+_RAMP = np.repeat(np.arange(256, dtype=np.uint8)[None, :, None], 3, axis=2)
+
+# OpenCV's warpAffine maps whole groups of 16 output columns with AVX2 vector instructions
+# and the rest of each row with a scalar loop that orders its float32 operations differently.
+_VECTOR_COLUMNS = 16
 
 
-def require_gpu_decode(device: torch.device | str) -> None:
-    """Refuse `data.decode=gpu` when training does not run on a CUDA device."""
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"data.decode=gpu needs a CUDA GPU, but training runs on {device}; use data.decode=cpu")
+def resolve_decode(mode: str, device: torch.device | str) -> str:
+    """`data.decode` for a run on `device`: auto = gpu on a CUDA device, else cpu; gpu without
+    CUDA is refused."""
+    device = torch.device(device)
+    if mode == "auto":
+        return "gpu" if device.type == "cuda" else "cpu"
+    if mode == "gpu" and device.type != "cuda":
+        raise ValueError(f"data.decode=gpu needs a CUDA GPU, but this runs on {device}; use data.decode=auto or cpu")
+    return mode
 
 
-def check_flips_only(transform) -> None:
-    """Refuse a transform gpu mode cannot replay on the decoded image: anything but flips."""
+# ---------------------------------------------------------------------------------- in the workers
+
+
+def check_replayable(transform) -> None:
+    """Refuse a transform with a step that gpu mode cannot replay on the device, naming it."""
     if transform is None:
         return
-    steps = transform.transforms if isinstance(transform, A.Compose) else [transform]
-    other = [type(step).__name__ for step in steps if not isinstance(step, (A.HorizontalFlip, A.VerticalFlip))]
-    if other:
-        raise ValueError(f"data.decode=gpu allows only flip augmentations, got {', '.join(other)}; "
-                         "set the other augment.* probabilities to 0 or use data.decode=cpu")
+    if not isinstance(transform, A.Compose):
+        raise ValueError(f"data.decode=gpu replays an A.Compose of steps, got {type(transform).__name__}")
+    for step in transform.transforms:
+        problem = _unreplayable(step)
+        if problem:
+            raise ValueError(f"data.decode=gpu cannot replay {type(step).__name__} on the GPU ({problem}); "
+                             "use data.decode=cpu")
 
 
-def drawn_flips(transform) -> torch.Tensor:
-    """[horizontal, vertical] flips the transform draws now, as a bool tensor.
+def _unreplayable(step) -> str | None:
+    """Why `step` cannot be replayed, or None."""
+    if isinstance(step, (A.HorizontalFlip, A.VerticalFlip)):
+        return None
+    if isinstance(step, A.XYMasking):
+        return None if _zero(step.fill) and _zero(step.fill_mask) else "only fill=0 and fill_mask=0"
+    if isinstance(step, A.Affine):
+        settings = (step.interpolation, step.mask_interpolation, step.border_mode, step.fit_output)
+        if settings != (cv2.INTER_LINEAR, cv2.INTER_NEAREST, cv2.BORDER_CONSTANT, False):
+            return "only bilinear images, nearest masks, a constant border and fit_output=False"
+        return None if _zero(step.fill) and _zero(step.fill_mask) else "only fill=0 and fill_mask=0"
+    if isinstance(step, A.RandomBrightnessContrast):
+        return None if step.brightness_by_max else "brightness_by_max=False depends on the decoded image"
+    return "not one of the steps gpu mode replays"
 
-    The transform runs on a 2×2 probe: a flip's draw does not depend on the image, so this
-    consumes the random state exactly as the full image would (cpu mode) after the same seed.
+
+def _zero(fill) -> bool:
+    return not isinstance(fill, str) and fill is not None and bool(np.all(np.asarray(fill) == 0))
+
+
+def draw_steps(transform, shape: tuple[int, int]) -> list[tuple[str, np.ndarray | None]]:
+    """The steps `transform` applies now to an H×W image (`shape`) and their parameters, in
+    order, as (name, value) for `replay`, drawn without an image.
+
+    The draws are albumentations' own, in the order `Compose.__call__` and
+    `BasicTransform.__call__` make them (whether the compose and each step apply, then each
+    step's parameters), so the random state moves exactly as it does when the CPU path runs
+    the transform on the decoded image and masks with the same seed.
     """
     if transform is None:
-        return torch.zeros(2, dtype=torch.bool)
-    row, col = np.argwhere(transform(image=_PROBE)["image"].reshape(2, 2) == 0)[0]
-    return torch.tensor([bool(col), bool(row)])
+        return []
+    data = {"image": np.broadcast_to(np.zeros((), np.uint8), (*shape, 3))}  # its shape and dtype, no pixels
+    if not transform.py_random.random() < transform.p:
+        return []
+    steps = []
+    for step in transform.transforms:
+        if step.should_apply():
+            params = step.update_transform_params(step.get_params(), data)
+            params.update(step.get_params_dependent_on_data(params, data))
+            steps += _replay_step(step, params)
+    return steps
 
 
-def apply_flips(tensor: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
-    """`tensor` (…×H×W) flipped left-right if flips[0], upside down if flips[1]."""
-    dims = [dim for dim, flip in zip((-1, -2), flips.tolist()) if flip]
-    return tensor.flip(dims) if dims else tensor
+def _replay_step(step, params: dict) -> list[tuple[str, np.ndarray | None]]:
+    """What the device needs to replay one drawn step (nothing for a step that changes nothing)."""
+    if isinstance(step, A.HorizontalFlip):
+        return [("hflip", None)]
+    if isinstance(step, A.VerticalFlip):
+        return [("vflip", None)]
+    if isinstance(step, A.XYMasking):
+        return [("blank", params["holes"])] if len(params["holes"]) else []
+    if isinstance(step, A.Affine):  # albumentations skips an identity warp
+        return [] if is_identity_matrix(params["matrix"]) else [("affine", cv2.invertAffineTransform(params["matrix"][:2]))]
+    lut = step.apply(_RAMP, **params)  # RandomBrightnessContrast: albumentations' own uint8 table
+    return [("lut", np.ascontiguousarray(lut[0].T))]
+
+
+# ---------------------------------------------------------------------------------- on the device
 
 
 def decode_batch(batch: dict, device: torch.device | str) -> dict:
-    """The batch with `image` decoded: N×3×H×W uint8 RGB on `device`, flipped as its masks were.
+    """The batch decoded on `device`: `image` N×3×H×W uint8 RGB and (train split) `mask`
+    N×4×H×W uint8, each item's drawn augmentation replayed; the keys a cpu-mode batch has.
 
-    A batch from gpu mode carries `image` as a list of JPEG byte tensors and `flips` (N×2);
-    the result has the keys a cpu-mode batch has. A batch already decoded is returned as is.
+    A gpu-mode batch holds lists: `image` (JPEG bytes), `runs` (each item's four masks as one
+    `rle.runs` sequence) and `augment` (`draw_steps`). A batch already decoded is returned as is.
     """
-    images = batch.get("image")
-    if images is None or isinstance(images, torch.Tensor):
+    if not isinstance(batch.get("image"), list):
         return batch
-    decoded = _decode_all(images, batch["image_id"], device)
-    flipped = [apply_flips(image, flips) for image, flips in zip(decoded, batch["flips"])]
-    out = {key: value for key, value in batch.items() if key != "flips"}
-    out["image"] = torch.stack(flipped)
+    images = _decode_all(batch["image"], batch["image_id"], device)
+    size, count = images[0].shape[-2:], len(images)
+    steps = batch.get("augment", [[]] * count)
+    out = {key: value for key, value in batch.items() if key not in ENCODED_KEYS}
+    out["image"] = torch.stack([replay(image, item_steps) for image, item_steps in zip(images, steps)])
+    if "runs" in batch:
+        items = [item_runs.to(device, non_blocking=True) for item_runs in batch["runs"]]
+        masks = rle.decode_runs(rle.concat_runs(items, len(LABELS) * size.numel()), (count, len(LABELS), *size))
+        out["mask"] = torch.stack([replay(mask, item_steps, mask=True) for mask, item_steps in zip(masks, steps)])
     return out
 
 
@@ -93,3 +168,85 @@ def _decode_all(data: list[torch.Tensor], image_ids: list[str], device) -> list[
             except RuntimeError as single:
                 raise ValueError(f"{image_id}: corrupt JPEG data, torchvision cannot decode it ({single})") from None
         raise ValueError(f"images {', '.join(image_ids)}: batched JPEG decode failed ({error})") from None
+
+
+def replay(tensor: torch.Tensor, steps: list[tuple[str, np.ndarray | None]], mask: bool = False) -> torch.Tensor:
+    """An image (3×H×W) or its masks (4×H×W, `mask=True`: nearest-neighbour warps, no
+    brightness/contrast) with `draw_steps`'s steps applied in order, as the CPU path applies them."""
+    for name, value in steps:
+        if name == "hflip":
+            tensor = tensor.flip(-1)
+        elif name == "vflip":
+            tensor = tensor.flip(-2)
+        elif name == "blank":
+            tensor = blank(tensor, value)
+        elif name == "affine":
+            tensor = warp_affine(tensor, value, nearest=mask)
+        elif name == "lut" and not mask:
+            lut = torch.from_numpy(value).to(tensor.device, non_blocking=True)
+            tensor = lut.gather(1, tensor.flatten(1).long()).view_as(tensor)
+    return tensor
+
+
+def blank(tensor: torch.Tensor, holes: np.ndarray) -> torch.Tensor:
+    """A copy with each hole (x1, y1, x2, y2, as XYMasking draws them) set to 0."""
+    tensor = tensor.clone()
+    for x1, y1, x2, y2 in holes.tolist():
+        tensor[..., y1:y2, x1:x2] = 0
+    return tensor
+
+
+def warp_affine(tensor: torch.Tensor, inverse: np.ndarray, nearest: bool) -> torch.Tensor:
+    """`cv2.warpAffine` of a C×H×W uint8 tensor with a constant 0 border, given the inverse
+    map (output pixel → input position, 2×3): nearest-neighbour or bilinear, as OpenCV 5.0
+    computes them in float32 (see `_source_coordinates`)."""
+    x, y = _source_coordinates(inverse, tensor.shape[-2:], tensor.device)
+    if nearest:
+        return _pick(tensor, x.round(), y.round())  # round half to even, as OpenCV's cvRound
+    left, top = x.floor(), y.floor()
+    fx, fy = x - left, y - top
+    upper = _lerp(fx, _pick(tensor, left, top), _pick(tensor, left + 1, top))
+    lower = _lerp(fx, _pick(tensor, left, top + 1), _pick(tensor, left + 1, top + 1))
+    return _lerp(fy, upper, lower).round().clamp(0, 255).to(torch.uint8)  # rounded half to even
+
+
+def _source_coordinates(inverse: np.ndarray, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input position (x, y, float32 H×W each) that each output pixel samples, with
+    OpenCV's float32 operations: per row x = M1·y + M2 (a multiply, then an add), per pixel
+    fma(M0, column, that). The last columns that make no whole vector group take OpenCV's
+    scalar loop: fma(column, M0, M1·y) + M2. Nearest picks at exact half pixels depend on it."""
+    height, width = shape
+    rows = torch.tensor(inverse, dtype=torch.float32, device=device)  # OpenCV casts the map to float32
+    row = torch.arange(height, dtype=torch.float32, device=device)[:, None]
+    column = torch.arange(width, dtype=torch.float32, device=device)
+    scalar = width - width % _VECTOR_COLUMNS  # the first column of the scalar loop
+    coordinates = []
+    for m0, m1, m2 in rows:
+        coordinate = _fma(m0, column, row * m1 + m2)
+        coordinate[:, scalar:] = _fma(column[scalar:], m0, row * m1) + m2
+        coordinates.append(coordinate)
+    return coordinates[0], coordinates[1]
+
+
+def _lerp(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + t·(b - a) in float32 as OpenCV computes it: b - a, then a fused multiply-add."""
+    a = a.float()
+    return _fma(t, b.float() - a, a)
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a·b + c in float32, rounded once as an FMA instruction does: in float64 the product of
+    two float32 values is exact, and so is its sum with a third at the magnitudes here
+    (pixel values, coordinates below 2^12), which leaves the one rounding to float32. In
+    place, so that one float64 temporary is alive at a time."""
+    exact = c.double().broadcast_to(torch.broadcast_shapes(a.shape, b.shape, c.shape)).contiguous()
+    return exact.addcmul_(a, b).float()
+
+
+def _pick(tensor: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """tensor[:, y, x] at whole-numbered positions (float H×W), 0 (the border) outside the image."""
+    height, width = tensor.shape[-2:]
+    inside = (x >= 0) & (x < width) & (y >= 0) & (y < height)
+    index = (y.clamp(0, height - 1) * width + x.clamp(0, width - 1)).long().flatten()
+    picked = tensor.flatten(-2).index_select(-1, index).view(tensor.shape)
+    return picked * inside

@@ -87,7 +87,8 @@ def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, 
     window_loss = torch.zeros((), device=ctx.device)
     for i, batch in enumerate(micro_batches):
         with distributed.gradient_sync(ctx.model, now=i == len(micro_batches) - 1):
-            images = decode_batch(batch, ctx.device)["image"].to(ctx.device, non_blocking=True)
+            batch = decode_batch(batch, ctx.device)
+            images = batch["image"].to(ctx.device, non_blocking=True)
             masks = batch["mask"].to(ctx.device, non_blocking=True)
             with autocast(ctx.device, ctx.dtype):
                 logits = ctx.model(images)

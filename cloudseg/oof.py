@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from cloudseg.config import Config
 from cloudseg.data import CloudDataset, fold_ids, make_loader, readable
+from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.files import atomic_path
 from cloudseg.hardware import autocast_dtype, resolve_device, speed_switches
 from cloudseg.metrics import resize_masks
@@ -34,7 +35,8 @@ def predict_oof(model, config: Config, device, *, stop_requested=None) -> tuple[
     """(ids, uint8 probabilities, true masks) of the held-out fold of `config`, at 350×525;
     `stop_requested` is asked before every batch (StopRequested)."""
     _, valid_ids = fold_ids(config.data, config.seed)
-    dataset = CloudDataset(config.data.dir, "train", valid_ids, None, config.data.image_size, config.data.on_bad_sample)
+    dataset = CloudDataset(config.data.dir, "train", valid_ids, None, config.data.image_size, config.data.on_bad_sample,
+                           decode=resolve_decode(config.data.decode, device))
     loader = make_loader(dataset, config.data, config.predict.batch_size, device)
     dtype = autocast_dtype(config.train.precision, device)
     model.eval()
@@ -42,9 +44,10 @@ def predict_oof(model, config: Config, device, *, stop_requested=None) -> tuple[
     batches = readable(until_stopped(loader, stop_requested), [])  # validation reported the skips
     for batch in tqdm(batches, desc="out-of-fold", unit="batch", total=len(loader), disable=None):  # validation reported skips
         ids.extend(batch["image_id"])
+        batch = decode_batch(batch, device)
         small = batch_probabilities([model], batch["image"].to(device), dtype, config.predict).submission
         probs.append(quantize(small.cpu().numpy()))
-        truth.append(resize_masks(batch["mask"]).numpy().astype(bool))
+        truth.append(resize_masks(batch["mask"]).cpu().numpy().astype(bool))
     return ids, np.concatenate(probs), np.concatenate(truth)
 
 

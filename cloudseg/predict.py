@@ -20,6 +20,7 @@ from cloudseg import rle
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.config import Config, PredictConfig, apply_overrides, from_dict
 from cloudseg.data import CloudDataset, make_loader, test_image_ids
+from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
@@ -107,11 +108,12 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
     data_dir = data_dir or config.data.dir
     dtype = autocast_dtype(config.train.precision, device)
-    dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size)
+    dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size,
+                           decode=resolve_decode(config.data.decode, device))
     rows = []
     for batch in tqdm(make_loader(dataset, config.data, config.predict.batch_size, device), desc="predict",
                       unit="batch", disable=None):
-        images = batch["image"].to(device, non_blocking=True)
+        images = decode_batch(batch, device)["image"].to(device, non_blocking=True)
         probs = batch_probabilities(models, images, dtype, config.predict).submission
         masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate,
                             top_k)

@@ -4,6 +4,10 @@ encoded where the submission is written (the two ends of the data path).
 Pixels are numbered from 1, top to bottom, then left to right (column-major), and a mask
 is written as sorted, non-overlapping `start length` pairs: `1 3 10 5` is pixels 1-3 and
 10-14. The empty string means an empty mask.
+
+`decode` gives one mask as a NumPy array (the Dataset's CPU path). With `data.decode=gpu`
+the workers hand over `runs` instead, and `decode_runs` decodes a whole batch of masks at
+once with torch, on the batch's device.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import math
 
 import cv2
 import numpy as np
+import torch
 
 from cloudseg.task import IMAGE_SHAPE
 
@@ -70,13 +75,8 @@ def decode(rle, shape: tuple[int, int] = IMAGE_SHAPE) -> np.ndarray:
     several times faster than NumPy does.
     """
     height, width = shape
-    starts, lengths = parse(rle)
-    ends = starts + lengths
-    if len(ends) and ends[-1] > height * width:
-        raise ValueError(
-            f"RLE run {int(starts[-1]) + 1} {int(lengths[-1])} ends past the last pixel "
-            f"{height * width} of a {height}x{width} image"
-        )
+    starts, ends = runs(rle, shape)
+    lengths = ends - starts
     # Alternate 0-runs (the gaps) and 1-runs, then let np.repeat write them in one pass.
     counts = np.empty(2 * len(starts) + 1, np.int64)
     counts[0:-1:2] = starts - np.concatenate(([0], ends[:-1]))
@@ -85,6 +85,42 @@ def decode(rle, shape: tuple[int, int] = IMAGE_SHAPE) -> np.ndarray:
     values = np.zeros(len(counts), np.uint8)
     values[1::2] = 1
     return cv2.transpose(np.repeat(values, counts).reshape(width, height))
+
+
+def runs(rle, shape: tuple[int, int] = IMAGE_SHAPE) -> np.ndarray:
+    """2×K int64: the 0-based first pixel and the pixel after the last of each run of a mask
+    of `shape`, validated (`parse`, and the last run ends inside the image)."""
+    height, width = shape
+    starts, lengths = parse(rle)
+    ends = starts + lengths
+    if len(ends) and ends[-1] > height * width:
+        raise ValueError(
+            f"RLE run {int(starts[-1]) + 1} {int(lengths[-1])} ends past the last pixel "
+            f"{height * width} of a {height}x{width} image"
+        )
+    return np.stack((starts, ends))
+
+
+def concat_runs(masks_runs: list[torch.Tensor], pixels: int) -> torch.Tensor:
+    """The `runs` of several masks of `pixels` pixels each as the runs of one long mask, the
+    masks numbered one after another (what `decode_runs` takes)."""
+    return torch.cat([mask_runs + index * pixels for index, mask_runs in enumerate(masks_runs)], dim=1)
+
+
+def decode_runs(all_runs: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Masks of `shape` (…×H×W, uint8 0/1) from the runs of all of them numbered one mask after
+    another (`concat_runs`), each mask column-major as in `decode`, on the runs' device.
+
+    Each run adds 1 at its first pixel and takes 1 away after its last; a cumulative sum then
+    counts the runs covering each pixel: 0 or 1, as runs do not overlap. It runs in uint8,
+    where -1 is 255 and sums wrap at 256, so the count is exact and the buffer one byte a pixel.
+    """
+    *masks, height, width = shape
+    edges = torch.zeros(math.prod(shape) + 1, dtype=torch.uint8, device=all_runs.device)
+    edges[all_runs[0]] = 1  # starts are distinct, and so are ends
+    edges[all_runs[1]] -= 1  # where a run starts right after another ends, 1 - 1 = 0
+    covered = edges.cumsum(0, dtype=torch.uint8)[:-1]
+    return covered.view(*masks, width, height).transpose(-1, -2).contiguous()
 
 
 def encode(mask) -> str:

@@ -31,7 +31,7 @@ from cloudseg import distributed
 from cloudseg.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from cloudseg.config import Config, TrainConfig, dump
 from cloudseg.data import CloudDataset, EpochSampler, Problem, build_transform, fold_ids, make_loader, readable
-from cloudseg.decode import decode_batch, require_gpu_decode
+from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.engine import StepContext, StepResult, resilient_step, windows
 from cloudseg.files import atomic_path
 from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_usable_device, resolve_device,
@@ -138,11 +138,9 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     progress within that epoch (None at an epoch's start)."""
     device = distributed.start(resolve_device(config.train.device))
     seed_everything(config.seed)
-    train_set, valid_set = datasets(config)
+    train_set, valid_set = datasets(config, device)
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
     require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
-    if config.data.decode == "gpu":
-        require_gpu_decode(device)
     speed_switches(device, config.train.deterministic)  # before the probes, so that they measure the same algorithms
     model = training_model(config, train_set.image_size, device)
     dtype = autocast_dtype(config.train.precision, device)
@@ -320,7 +318,8 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
     largest_shard = math.ceil(len(loader.dataset) / distributed.world_size())
     batches = until_stopped(loader, asked, count=math.ceil(largest_shard / loader.batch_size))
     for batch in readable(batches, [] if skipped is None else skipped):
-        images, masks = decode_batch(batch, device)["image"].to(device), batch["mask"].to(device)
+        batch = decode_batch(batch, device)
+        images, masks = batch["image"].to(device), batch["mask"].to(device)
         probs = batch_probabilities([model], images, dtype, config.predict)
         losses += per_image_loss(torch.logit(probs.native, eps=1e-6), masks, config.train.dice_weight).tolist()
         probs8, truth = quantize(probs.submission.cpu().numpy()), resize_masks(masks).cpu().numpy()
@@ -480,9 +479,10 @@ def report_skipped(problems: list[Problem], epoch: int | None, run_dir: Path, wh
 # ---------------------------------------------------------------------------------- helpers
 
 
-def datasets(config: Config) -> tuple[CloudDataset, CloudDataset]:
-    """Training folds (augmented) and the held-out fold of `config.data`."""
-    policy, decode = config.data.on_bad_sample, config.data.decode
+def datasets(config: Config, device: torch.device) -> tuple[CloudDataset, CloudDataset]:
+    """Training folds (augmented) and the held-out fold of `config.data`, decoded where
+    `data.decode` says for a run on `device`."""
+    policy, decode = config.data.on_bad_sample, resolve_decode(config.data.decode, device)
     train_ids, valid_ids = fold_ids(config.data, config.seed)
     train_set = CloudDataset(config.data.dir, "train", train_ids, None, config.data.image_size, policy, decode=decode)
     train_set.transform = build_transform(**config.augment.model_dump(), image_size=train_set.image_size)

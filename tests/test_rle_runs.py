@@ -1,0 +1,39 @@
+"""The batched RLE decode of data.decode=gpu (`rle.runs`, `rle.concat_runs`, `rle.decode_runs`)
+against `rle.decode`, on the CPU: the same torch code runs on a GPU."""
+
+import numpy as np
+import pytest
+import torch
+
+from cloudseg import rle
+from cloudseg.task import LABELS
+
+
+def special_masks(shape):
+    """Masks whose runs touch every edge case: empty, full, the first and the last pixel,
+    one-pixel runs, runs across a column boundary and whole columns."""
+    height, width = shape
+    masks = np.zeros((6, height, width), np.uint8)
+    masks[1] = 1
+    masks[2, 0, 0] = masks[2, -1, -1] = 1
+    masks[3, ::2, ::3] = 1  # one-pixel runs
+    masks[4, -1, 0] = masks[4, 0, 1] = 1  # one run from the bottom of a column to the top of the next
+    masks[5, :, 0] = masks[5, :, -1] = 1
+    return masks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_decode_of_runs_equals_rle_decode(seed):
+    """Would catch: rows and columns swapped (the RLE is column-major), an off-by-one at a run's
+    start or end, runs of one mask spilling into the next (wrong offsets), adjacent runs (one
+    ending where the next starts, also across two masks) losing a pixel, or the uint8 count
+    not wrapping back to 0."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(side) for side in rng.integers(1, 30, 2))
+    random = (rng.random((10, *shape)) < rng.uniform(0.05, 0.95, (10, 1, 1))).astype(np.uint8)
+    masks = np.concatenate([special_masks(shape), random])  # 16 masks: 4 items of 4 labels
+    encoded = [rle.encode(mask) for mask in masks]
+    runs = [torch.from_numpy(rle.runs(text, shape)) for text in encoded]
+    decoded = rle.decode_runs(rle.concat_runs(runs, masks[0].size), (4, len(LABELS), *shape))
+    assert decoded.dtype == torch.uint8 and decoded.is_contiguous()
+    np.testing.assert_array_equal(decoded.reshape(masks.shape).numpy(), [rle.decode(text, shape) for text in encoded])
