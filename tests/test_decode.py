@@ -148,7 +148,7 @@ def test_undecodable_data_behind_a_valid_header_is_named_at_decode(tiny_data, tm
         decode_batch(batch, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu  # make test-gpu; skipped without CUDA
 def test_cuda_decode_is_close_to_cpu_mode(tiny_data):
     """On a GPU: nvjpeg's images within torchvision's own CPU-vs-CUDA bound (mean |diff| < 2),
     masks exact, images on the GPU."""
