@@ -80,12 +80,12 @@ class FakeCuda:
         return (card.total_memory if card.free is None else card.free), card.total_memory
 
     def set_fraction(self, fraction, device=None) -> None:
-        index = self.index(torch.cuda.current_device() if device is None else device, optional=False)
+        index = _get_device_index(torch.cuda.current_device() if device is None else device, optional=False)
         if not isinstance(fraction, float):
             raise TypeError("Invalid type for fraction argument, must be `float`")
         if fraction < 0 or fraction > 1:
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        card = self.card(index, error=RuntimeError)  # checked after the fraction, as torch does
+        card = self.card(index, error=RuntimeError)  # the range is checked after the fraction, as torch does
         card.fraction = fraction
         self.calls.append(("set_per_process_memory_fraction", fraction, index))
 
