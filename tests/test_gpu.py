@@ -51,10 +51,11 @@ def process_cap_restored():
     """This process's GPU memory cap as it was before the test (`cloudseg memory --limit-gb`
     and the checkpointing test cap the process they run in)."""
     get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.5
-    was = get(gpu()) if get else 1.0
-    yield
-    torch.cuda.set_per_process_memory_fraction(was, gpu())
-    torch.cuda.empty_cache()
+    device, was = gpu(), get(gpu()) if get else 1.0
+    restore, empty_cache = torch.cuda.set_per_process_memory_fraction, torch.cuda.empty_cache  # the real ones,
+    yield  # should the test have faked torch.cuda meanwhile
+    restore(was, device)
+    empty_cache()
 
 
 @pytest.fixture
