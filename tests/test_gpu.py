@@ -110,15 +110,22 @@ def raised(call, device) -> type[Exception] | None:
     return None
 
 
+def same_outcome(real: type[Exception] | None, fake: type[Exception] | None) -> bool:
+    """Both accept the argument, or both refuse it and whoever catches the fake's error class
+    catches the real error too (torch.AcceleratorError is a RuntimeError)."""
+    if real is None or fake is None:
+        return real is fake
+    return issubclass(real, fake)
+
+
 @pytest.mark.parametrize("name", DEVICE_CALLS)
 def test_the_fake_raises_exactly_where_torch_cuda_raises(name, fake_cuda, process_cap_restored):
     """Each faked function with each device form: the fake raises where the real one raises, an
-    error of the same class (the real error an instance of the fake's: torch.AcceleratorError is a
-    RuntimeError), and accepts what the real one accepts. Would catch: a fake laxer than torch
-    (the one that let `set_per_process_memory_fraction(f, torch.device("cuda"))` through to the
-    H100) or stricter. Assumes: CUDA initialized (the fake models that state: before it, torch's
-    memory statistics read 0 without looking at their argument); the fraction set is 1.0, and the
-    cap is restored."""
+    error of the same class (see same_outcome), and accepts what the real one accepts. Would
+    catch: a fake laxer than torch (the one that let `set_per_process_memory_fraction(f,
+    torch.device("cuda"))` through to the H100) or stricter. Assumes: CUDA initialized (the fake
+    models that state: before it, torch's memory statistics read 0 without looking at their
+    argument); the fraction set is 1.0, and the cap is restored."""
     if not hasattr(torch.cuda, name):
         pytest.skip(f"torch {torch.__version__} has no torch.cuda.{name}")
     torch.cuda.init()
@@ -126,22 +133,24 @@ def test_the_fake_raises_exactly_where_torch_cuda_raises(name, fake_cuda, proces
     real = {form: raised(call, device) for form, device in forms.items()}
     fake_cuda(*this_machine_s_cards(), arch_list=torch.cuda.get_arch_list(), cuda=torch.version.cuda)
     fake = {form: raised(call, device) for form, device in forms.items()}
-    disagree = {form: (real[form] and real[form].__name__, fake[form] and fake[form].__name__) for form in forms
-                if (real[form] is None) != (fake[form] is None) or (real[form] and not issubclass(real[form], fake[form]))}
-    assert not disagree, f"torch.cuda.{name}: (real, fake) raise {disagree}"
+    disagree = {form: (real[form], fake[form]) for form in forms if not same_outcome(real[form], fake[form])}
+    assert not disagree, f"torch.cuda.{name}: (real, fake) raised {disagree}"
+
+
+def reported() -> dict:
+    """What torch.cuda (real or fake) says without being given a device."""
+    return {"count": torch.cuda.device_count(), "current": torch.cuda.current_device(),
+            "bf16": torch.cuda.is_bf16_supported(), "native bf16": torch.cuda.is_bf16_supported(including_emulation=False),
+            "capability": torch.cuda.get_device_capability()}
 
 
 def test_the_fake_of_this_machine_s_gpus_reports_what_torch_cuda_reports(fake_cuda):
     """The argument-less functions and the bf16 question, for fake cards copied from the real
     ones. Would catch: a fake is_bf16_supported that answers another question than torch's (it
     counts emulation by default), and a current device or count that differ."""
-    real = {"count": torch.cuda.device_count(), "current": torch.cuda.current_device(),
-            "bf16": torch.cuda.is_bf16_supported(), "native bf16": torch.cuda.is_bf16_supported(including_emulation=False),
-            "capability": torch.cuda.get_device_capability(0)}
+    real = reported()
     fake_cuda(*this_machine_s_cards(), arch_list=torch.cuda.get_arch_list(), cuda=torch.version.cuda)
-    fake = {"count": torch.cuda.device_count(), "current": torch.cuda.current_device(),
-            "bf16": torch.cuda.is_bf16_supported(), "native bf16": torch.cuda.is_bf16_supported(including_emulation=False),
-            "capability": torch.cuda.get_device_capability(0)}
+    fake = reported()
     assert fake == real and torch.cuda.is_available()
 
 
