@@ -30,13 +30,14 @@ RUN     ?= $(patsubst %/,%,$(firstword $(foreach d,$(shell ls -td runs/*/ 2>/dev
 SUBMISSION ?= submission.csv
 
 # make test: one pytest-xdist worker per core (auto); TEST_WORKERS=0 runs the tests in one process.
+# make test-gpu: the tests marked gpu, on a CUDA GPU (make test leaves them out; test-all skips them without one).
 TEST_WORKERS ?= auto
 
 # make cv / make submit: one run per fold under CV_DIR, tuned together.
 FOLDS   ?= 0 1 2 3 4
 CV_DIR  ?= runs/cv
 
-.PHONY: help install test test-all bench lock clean train predict data cv tune submit tensorboard notebooks lab
+.PHONY: help install test test-all test-gpu bench lock clean train predict data cv tune submit tensorboard notebooks lab
 
 help:
 	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
@@ -53,6 +54,7 @@ help:
 	@echo "               PyTorch for that backend instead of the pinned CUDA build; see cloudseg doctor]"
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
+	@echo "make test-gpu  on a CUDA GPU: the tests marked gpu (mixed precision, predict, memory, resume; a few minutes)"
 	@echo "make bench     print benchmark tables (RLE codec, training and inference speed)"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
 
@@ -82,6 +84,12 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m ''
+
+# In one process: these tests read and cap this process's GPU memory and compare runs bit for bit.
+test-gpu: $(STAMP)
+	@$(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || { \
+	  echo "make test-gpu: needs a CUDA GPU, and PyTorch sees none here (cloudseg doctor says why)"; exit 1; }
+	$(PY) -m pytest -n 0 -m gpu
 
 bench: $(STAMP)
 	$(PY) benchmarks/rle_speed.py

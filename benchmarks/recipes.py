@@ -4,11 +4,12 @@ time per epoch, in one table.
 For each option: `cloudseg train -c configs/demo.yaml OPTION` on one `cloudseg synth` dataset
 (64 train images at 192×288 by default, fold 0 validates), then `cloudseg predict` with no
 flags (the run's own tuned rule), scored on the held-out test images. Time per epoch twice:
-the run's own (metrics.csv: moved by whatever else the machine runs) and an interleaved timing
-of every option's training step in this one process, which a load moves alike for all.
+the run's own (metrics.csv: moved by whatever else the machine runs, on --device) and an
+interleaved timing of every option's training step in this one process on the CPU, which a load
+moves alike for all.
 
 Usage: python benchmarks/recipes.py [--epochs 6] [--n-train 64] [--n-test 32] [--size 192 288]
-       [--options unet,ema,fpn,unetplusplus] [--out DIR]
+       [--options unet,ema,fpn,unetplusplus] [--out DIR] [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ OPTIONS = {
 TIMED_ROUNDS = 6  # interleaved training steps per option, after one untimed warm-up round
 
 
-def run_option(name: str, data: Path, root: Path, epochs: int) -> dict:
-    """Train one option, predict the test images with its own rule, score; return the figures."""
+def run_option(name: str, data: Path, root: Path, epochs: int, device: str) -> dict:
+    """Train one option on `device`, predict the test images with its own rule, score; return the figures."""
     run, log = root / name, root / f"{name}.log"
     cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}", f"train.epochs={epochs}",
-             *OPTIONS[name], log=log)
-    cloudseg("predict", "--checkpoint", str(run / "best.pt"), "--out", str(root / f"{name}.csv"), log=log)
+             f"train.device={device}", *OPTIONS[name], log=log)
+    cloudseg("predict", "--checkpoint", str(run / "best.pt"), "--out", str(root / f"{name}.csv"), "--device", device,
+             log=log)
     metrics = pd.read_csv(run / "metrics.csv")
     best = metrics.loc[metrics["dice_tuned"].idxmax()]
     config = load_config(run / "config.yaml")
@@ -108,6 +110,8 @@ def main(argv=None) -> None:
     parser.add_argument("--n-test", type=int, default=32)
     parser.add_argument("--size", type=int, nargs=2, default=(192, 288), metavar=("H", "W"))
     parser.add_argument("--out", help="a new folder for the data, runs and logs (default: one under /tmp)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the runs train and predict (train.device, predict --device)")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.options.split(",") if name.strip()]
     if unknown := [name for name in names if name not in OPTIONS]:
@@ -123,7 +127,7 @@ def main(argv=None) -> None:
                       width=args.size[1], seed=0)
     results = []
     for name in names:
-        results.append(run_option(name, data, root, args.epochs))
+        results.append(run_option(name, data, root, args.epochs, args.device))
         print(f"  {name}: test Dice {results[-1]['test_dice']:.3f}", flush=True)
     steps = interleaved_step_seconds(names, tuple(args.size))
     print(f"\nload at end {os.getloadavg()[0]:.1f}; valid Dice: best epoch's dice_tuned on the fold's images; "

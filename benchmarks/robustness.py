@@ -13,6 +13,7 @@ submissions and command logs stay under --out for inspection.
 
 Usage: python benchmarks/robustness.py [--variants a,b] [--n-train 64] [--n-test 16]
        [--epochs 6] [--out DIR] [--json FILE] [--size H W] [--seed-offset K] [--set key=value ...]
+       [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
@@ -89,14 +90,15 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
     data, run, log = folder / "data", folder / "run", folder / "commands.log"
     generate(variant, data, args.n_train, args.n_test)
     cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}",
-             f"train.epochs={args.epochs}", *args.set, log=log)
+             f"train.epochs={args.epochs}", f"train.device={args.device}", *args.set, log=log)
     train_seconds = time.perf_counter() - started
-    best = f"{run}/best.pt"
-    cloudseg("predict", "--checkpoint", best, "--out", str(folder / "default.csv"), log=log)
-    cloudseg("predict", "--checkpoint", best, "--out", str(folder / "untuned.csv"), "--postprocess", "none", log=log)
+    best, device = f"{run}/best.pt", ("--device", args.device)
+    cloudseg("predict", "--checkpoint", best, "--out", str(folder / "default.csv"), *device, log=log)
+    cloudseg("predict", "--checkpoint", best, "--out", str(folder / "untuned.csv"), "--postprocess", "none", *device,
+             log=log)
     cloudseg("tune", str(run), "--out", str(folder / "tuned.json"), log=log)
     cloudseg("predict", "--checkpoint", best, "--out", str(folder / "explicit.csv"),
-             "--postprocess", str(folder / "tuned.json"), log=log)
+             "--postprocess", str(folder / "tuned.json"), *device, log=log)
     submissions = dict(zip(COLUMNS, (write_all_empty(data, folder / "all_empty.csv"), folder / "untuned.csv",
                                      folder / "default.csv", folder / "explicit.csv")))
     truth = data / TEST_SOLUTION_CSV
@@ -153,6 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "to check a recipe on draws it was not chosen on")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra training config override, e.g. train.lr=1e-3 (repeatable)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where training and prediction run (train.device, predict --device); auto as a user's")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]

@@ -91,12 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--postprocess", metavar="FILE",
                          help="the rule to apply: a postprocess.json, or none for the config's rule (default: "
                               "the run's own postprocess.json; for the folds of one CV directory, its pooled one)")
+    add_device_option(predict)
     predict.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. predict.threshold=0.45")
     predict.set_defaults(run=run_predict)
 
     oof = commands.add_parser("oof", help="write a checkpoint's out-of-fold probabilities (training does this too)")
     oof.add_argument("--checkpoint", required=True)
     oof.add_argument("--out", help="default: oof.npz beside the checkpoint")
+    add_device_option(oof)
     oof.set_defaults(run=run_oof)
 
     convert = commands.add_parser("convert-checkpoint", help="rewrite a checkpoint of an older cloudseg so that it "
@@ -136,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="versions, GPUs, precision; why PyTorch cannot use a GPU")
     doctor.set_defaults(run=run_doctor)
     return parser
+
+
+def add_device_option(command: argparse.ArgumentParser) -> None:
+    """--device of the commands that run a saved model (training reads train.device instead)."""
+    command.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                         help="where the model runs: auto (default) = a CUDA GPU when PyTorch sees one, else the CPU")
 
 
 def run_synth(args) -> None:
@@ -230,14 +238,14 @@ def run_train(args) -> int | None:
 def run_predict(args) -> None:
     from cloudseg.predict import predict
 
-    path = predict(args.checkpoint, args.data_dir, args.out, args.overrides, args.postprocess)
+    path = predict(args.checkpoint, args.data_dir, args.out, args.overrides, args.postprocess, args.device)
     print(f"wrote {path}")
 
 
 def run_oof(args) -> None:
     from cloudseg.oof import oof_from_checkpoint
 
-    print(f"wrote {oof_from_checkpoint(args.checkpoint, args.out)}")
+    print(f"wrote {oof_from_checkpoint(args.checkpoint, args.out, args.device)}")
 
 
 def run_convert_checkpoint(args) -> None:

@@ -73,9 +73,10 @@ def read_oof(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, probs, truth
 
 
-def oof_from_checkpoint(checkpoint: str | Path, out: str | Path | None = None) -> Path:
-    """`cloudseg oof`: the held-out fold of a checkpoint's run, written beside it by default."""
-    device = resolve_device("auto")
+def oof_from_checkpoint(checkpoint: str | Path, out: str | Path | None = None, device: str = "auto") -> Path:
+    """`cloudseg oof`: the held-out fold of a checkpoint's run, written beside it by default,
+    computed on `device` (auto, cpu or cuda)."""
+    device = resolve_device(device)
     speed_switches(device)
     model, config = load_model(checkpoint, device)
     out = Path(out) if out else Path(checkpoint).parent / OOF_FILE

@@ -91,11 +91,12 @@ def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config
 
 
 def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: list[str] = (),
-            postprocess_file: str | None = None) -> Path:
+            postprocess_file: str | None = None, device: str = "auto") -> Path:
     """Average the checkpoints' probabilities at 350×525, post-process by the tuned rule (see
-    `tuned_rule`), write a checked submission. `overrides` (predict.threshold=...) come last."""
+    `tuned_rule`), write a checked submission. `overrides` (predict.threshold=...) come last;
+    `device`: auto (a GPU when PyTorch sees one), cpu or cuda."""
     rule_file = tuned_rule(checkpoints, postprocess_file)
-    device = resolve_device("auto")
+    device = resolve_device(device)
     speed_switches(device)
     loaded = [load_model(path, device) for path in checkpoints]
     models = [model for model, _ in loaded]

@@ -1,5 +1,5 @@
-"""Fixtures and helpers shared by the tests: the tiny dataset, the tiny training options, and
-ways to plant behaviour in the models that training builds."""
+"""Fixtures and helpers shared by the tests: the tiny dataset, the tiny training options, ways to
+plant behaviour in the models that training builds, and the skip of the `gpu` tests without CUDA."""
 
 import dataclasses
 import os
@@ -21,10 +21,24 @@ torch.set_num_threads(1)
 
 TINY_SHAPE = (64, 96)
 
-TINY = [  # a training run in seconds on the tiny dataset: 16 train and 8 validation images
+# A training run in seconds on the tiny dataset: 16 train and 8 validation images. On the CPU
+# whatever the machine: the tests built on it compare runs bit for bit (resume, out-of-memory
+# retry, EMA), which only the CPU promises by default; tests/test_gpu.py adds train.device=cuda.
+TINY = [
     "data.num_workers=0", "data.n_folds=3", "model.decoder_channels=[16,8,8,8,8]",
-    "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1",
+    "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1", "train.device=cpu",
 ]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a real CUDA GPU: skipped where PyTorch sees none (`make test-gpu`
+    refuses to run there at all)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu, on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,11 @@ The fake is as strict as torch about its arguments, because a fake that accepts 
 refuses tests nothing: each function takes its device argument through torch's own
 `torch.cuda._utils._get_device_index` with the `optional` flag the real function uses (so a CPU
 device is refused everywhere, and `torch.device("cuda")` without an index where torch requires
-one), checks the index against the cards, and checks the other arguments as torch does.
+one), checks the index against the cards, and checks the other arguments as torch does. An index
+past the cards raises what torch raises: AssertionError where torch.cuda checks it in Python
+(get_device_properties and what reads it), RuntimeError where the C++ allocator or the CUDA
+runtime does (the memory functions, synchronize). The fake behaves as after CUDA's
+initialization: before it, torch's memory statistics read 0 without checking their argument.
 `tests/test_gpu.py` compares the fake with the real torch.cuda on a GPU machine.
 
 No tensor goes to a fake GPU: code under test keeps its tensors on the CPU (the memory planner
@@ -55,15 +59,16 @@ class FakeCuda:
     cards: list[Card]
     calls: list[tuple] = field(default_factory=list)
 
-    def index(self, device, optional: bool) -> int:
-        """The card `device` names, by torch's rules (see the module docstring)."""
+    def index(self, device, optional: bool, error: type[Exception] = AssertionError) -> int:
+        """The card `device` names, by torch's rules (see the module docstring); past the cards,
+        `error`: AssertionError as torch.cuda checks in Python, RuntimeError as its C++ side does."""
         index = _get_device_index(device, optional=optional)
         if not 0 <= index < len(self.cards):
-            raise AssertionError("Invalid device id")  # as torch.cuda.get_device_properties says
+            raise error(f"Invalid device id {index}")
         return index
 
-    def card(self, device, optional: bool = True) -> Card:
-        return self.cards[self.index(device, optional)]
+    def card(self, device, optional: bool = True, error: type[Exception] = AssertionError) -> Card:
+        return self.cards[self.index(device, optional, error)]
 
     def properties(self, device=None):
         card = self.card(device)
@@ -71,27 +76,29 @@ class FakeCuda:
                                total_memory=card.total_memory)
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
-        card = self.card(torch.cuda.current_device() if device is None else device)
+        card = self.card(torch.cuda.current_device() if device is None else device, error=RuntimeError)
         return (card.total_memory if card.free is None else card.free), card.total_memory
 
     def set_fraction(self, fraction, device=None) -> None:
-        card = self.card(torch.cuda.current_device() if device is None else device, optional=False)
+        index = _get_device_index(torch.cuda.current_device() if device is None else device, optional=False)
         if not isinstance(fraction, float):
             raise TypeError("Invalid type for fraction argument, must be `float`")
         if fraction < 0 or fraction > 1:
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        card = self.card(index, error=RuntimeError)  # the range is checked after the fraction, as torch does
         card.fraction = fraction
-        self.calls.append(("set_per_process_memory_fraction", fraction, self.cards.index(card)))
+        self.calls.append(("set_per_process_memory_fraction", fraction, index))
 
     def get_fraction(self, device=None) -> float:
-        return self.card(torch.cuda.current_device() if device is None else device, optional=False).fraction
+        return self.card(torch.cuda.current_device() if device is None else device, False, RuntimeError).fraction
 
     def reset_peak(self, device=None) -> None:
-        self.card(device).peak = 0
-        self.calls.append(("reset_peak_memory_stats", self.index(device, True)))
+        card = self.card(device, error=RuntimeError)
+        card.peak = 0
+        self.calls.append(("reset_peak_memory_stats", self.cards.index(card)))
 
     def synchronize(self, device=None) -> None:
-        self.calls.append(("synchronize", self.index(device, True)))
+        self.calls.append(("synchronize", self.index(device, True, RuntimeError)))
 
     def install(self, monkeypatch, arch_list=CU126_ARCHS, cuda="12.6") -> FakeCuda:
         cards = self.cards
@@ -107,8 +114,8 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True:
                             bool(cards) and (including_emulation or cards[0].capability >= (8, 0)))
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.card(device).reserved)
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.card(device).peak)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.card(device, error=RuntimeError).reserved)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.card(device, error=RuntimeError).peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset_peak)
         monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.calls.append(("empty_cache",)))

@@ -15,7 +15,7 @@ from cloudseg import distributed, memory
 from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.model import build_model, norm_statistics, prepare_for_training
-from tests.fake_cuda import H100, Card
+from tests.fake_cuda import H100, Card, FakeCuda
 
 GPU0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -42,9 +42,32 @@ def test_the_fake_refuses_what_torch_refuses(fake_cuda):
         torch.cuda.set_per_process_memory_fraction(1, GPU0)
     with pytest.raises(AssertionError, match="Invalid device id"):
         torch.cuda.get_device_properties(1)
+    with pytest.raises(RuntimeError):  # the allocator's own check, in C++
+        torch.cuda.max_memory_allocated(1)
     torch.cuda.set_per_process_memory_fraction(0.5, GPU0)
     assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
     assert torch.cuda.mem_get_info(torch.device("cuda")) == (H100.total_memory, H100.total_memory)  # optional index
+
+
+class Recorder:
+    """Stands in for monkeypatch: records the torch.cuda names FakeCuda.install replaces, replaces nothing."""
+
+    def __init__(self):
+        self.names = set()
+
+    def setattr(self, target, name, value, raising=True):
+        if target is torch.cuda:
+            self.names.add(name)
+
+
+def test_every_faked_function_is_held_to_torch_on_a_gpu():
+    """tests/test_gpu.py compares each faked function with the real one on a GPU machine. Would
+    catch: a function faked later without being added to that comparison."""
+    from tests.test_gpu import DEVICE_CALLS, WITHOUT_DEVICE
+
+    recorder = Recorder()
+    FakeCuda([H100]).install(recorder)
+    assert recorder.names == set(DEVICE_CALLS) | WITHOUT_DEVICE
 
 
 def test_peak_bytes_reads_the_allocator_after_the_run_has_finished(fake_cuda):

@@ -335,8 +335,7 @@ def test_undecodable_data_behind_a_valid_header_is_named_at_decode(tiny_data, tm
         decode_batch(batch, "cpu")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu  # make test-gpu; skipped without CUDA
 def test_cuda_path_through_the_training_loader_is_close_to_cpu_mode(tiny_data):
     """On a GPU, through the training loader (worker processes, pinned memory): masks decoded
     from runs and warped there exactly as on the CPU, nvjpeg's images within torchvision's

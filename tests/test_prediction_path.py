@@ -1,5 +1,9 @@
 """predict end to end with models whose outputs are known: a perfect model scores exactly 1,
-an ensemble is the average of its members."""
+an ensemble is the average of its members.
+
+The perfect model's logits are ±20, far from any threshold: its tests hold on any device and run
+where `predict --device auto` puts them (the GPU when there is one). The ensemble is compared
+bit for bit with sums done on the CPU, so it runs on the CPU."""
 
 import logging
 
@@ -8,13 +12,16 @@ import pytest
 import torch
 from torch import nn
 
+from cloudseg import oof as oof_module
 from cloudseg import predict as predict_module
+from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.data import CloudDataset, decode_masks, read_label_csv
 from cloudseg.metrics import evaluate_submission, resize_probs
 from cloudseg.postprocess import postprocess
 from cloudseg.synth import TEST_SOLUTION_CSV, synthesize
 from cloudseg.task import LABELS, SUBMISSION_SHAPE
+from tests.fake_cuda import H100
 
 CONFIG = load_config("configs/demo.yaml", ["data.num_workers=0", "data.image_size=[350,525]"])
 
@@ -33,8 +40,8 @@ class TruthModel(nn.Module):
         self.masks_by_image = masks_by_image
 
     def forward(self, images):
-        masks = np.stack([self.masks_by_image[image.numpy().tobytes()] for image in images])
-        return torch.from_numpy(masks).float() * 40 - 20
+        masks = np.stack([self.masks_by_image[image.cpu().numpy().tobytes()] for image in images])
+        return torch.from_numpy(masks).to(images.device).float() * 40 - 20
 
 
 def truth_model(data_dir, shuffle_ids=False):
@@ -47,11 +54,13 @@ def truth_model(data_dir, shuffle_ids=False):
                        for i, owner in enumerate(owners)})
 
 
-def predict_with(models, monkeypatch, data_dir, out, overrides=()):
+def predict_with(models, monkeypatch, data_dir, out, overrides=(), device="auto"):
+    """`predict` on `device` with these models as its checkpoints (each moved where predict puts it)."""
     loaded = iter(models)
-    monkeypatch.setattr(predict_module, "load_model", lambda path, device: (next(loaded).eval(), CONFIG))
+    monkeypatch.setattr(predict_module, "load_model",
+                        lambda path, device: (next(loaded).to(device).eval(), CONFIG))
     return predict_module.predict([f"model{i}.pt" for i in range(len(models))], str(data_dir), str(out),
-                                  list(overrides), postprocess_file="none")
+                                  list(overrides), postprocess_file="none", device=device)
 
 
 def test_a_model_that_returns_the_true_masks_scores_exactly_one(submission_sized_data, tmp_path, monkeypatch):
@@ -82,9 +91,11 @@ class Noise(nn.Module):
 
 def test_an_ensemble_is_the_average_of_its_members(submission_sized_data, tmp_path, monkeypatch):
     """Would catch: predict using only the first (or last) checkpoint, or combining the
-    members by anything but the mean of their probabilities (max, mean of masks, logits)."""
+    members by anything but the mean of their probabilities (max, mean of masks, logits).
+    On the CPU: the expected masks are thresholded from CPU sums, and a GPU's TF32 convolutions
+    could move a pixel across the threshold."""
     members = [Noise(1), Noise(2)]
-    path = predict_with(members, monkeypatch, submission_sized_data, tmp_path / "both.csv")
+    path = predict_with(members, monkeypatch, submission_sized_data, tmp_path / "both.csv", device="cpu")
     got = read_label_csv(path)
     dataset = CloudDataset(submission_sized_data, "test")
     rule = CONFIG.predict
@@ -125,3 +136,27 @@ def test_which_rule_predict_applies(tmp_path, caplog):
         tuned_rule(folds, None)
     with pytest.raises(ValueError, match="checkpoints from different runs and no --postprocess"):
         tuned_rule([str(tmp_path / "alone/best.pt"), str(tmp_path / "untuned/best.pt")], None)
+
+
+class Loaded(Exception):
+    """Raised by a planted load_model: the command has chosen its device, nothing more is needed."""
+
+
+@pytest.mark.parametrize("command", ["predict", "oof"])
+def test_predict_and_oof_run_where_device_says_beside_a_gpu(fake_cuda, monkeypatch, command):
+    """A (fake) H100 is visible. Would catch: --device not reaching the command (auto would take
+    the GPU), auto no longer taking it, and a cuda device without its index."""
+    fake_cuda(H100)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # speed_switches sets it
+    chosen = []
+
+    def load_model(path, device):
+        chosen.append(device)
+        raise Loaded
+
+    monkeypatch.setattr(predict_module if command == "predict" else oof_module, "load_model", load_model)
+    argv = [command, "--checkpoint", "best.pt", *(["--postprocess", "none"] if command == "predict" else [])]
+    for option in ([], ["--device", "cpu"], ["--device", "cuda"]):
+        with pytest.raises(Loaded):
+            main([*argv, *option])
+    assert chosen == [torch.device("cuda", 0), torch.device("cpu"), torch.device("cuda", 0)]

@@ -11,6 +11,7 @@ import pytest
 from benchmarks.kaggle_like import VARIANTS, expected_frequencies, generate, label_set, sample
 from cloudseg import rle
 from cloudseg.check import check_dataset
+from cloudseg.config import load_config
 from cloudseg.data import read_label_csv, read_train_csv
 from cloudseg.metrics import resize_masks
 from cloudseg.task import LABELS, SUBMISSION_SHAPE
@@ -74,12 +75,14 @@ def test_drawn_images_keep_every_label_out_of_the_no_data_area():
 
 @pytest.mark.slow  # a training, three predictions and a tune: run with make test-all
 def test_script_prints_the_table_with_every_column(tmp_path):
-    """One variant at a tiny size through the real commands (slow: five cloudseg processes).
-    Catches a missing column or summary row, and an all-empty submission that is not empty:
-    its Dice must be the share of empty (image, label) pairs in the test truth."""
+    """One variant at a tiny size through the real commands (slow: five cloudseg processes), on
+    the CPU: on a GPU machine each process would start CUDA and search cuDNN's algorithms for
+    every shape, on a GPU that every test worker shares. Catches a missing column or summary row,
+    and an all-empty submission that is not empty: its Dice must be the share of empty
+    (image, label) pairs in the test truth."""
     out = subprocess.run(
         [sys.executable, "benchmarks/robustness.py", "--variants", "blobs-union", "--n-train", "12", "--n-test", "4",
-         "--epochs", "1", "--size", *map(str, SMALL), "--out", str(tmp_path / "study"),
+         "--epochs", "1", "--size", *map(str, SMALL), "--device", "cpu", "--out", str(tmp_path / "study"),
          "--json", str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=900, check=True).stdout
     header = next(line for line in out.splitlines() if line.startswith("variant") and "margin" in line)
@@ -88,6 +91,11 @@ def test_script_prints_the_table_with_every_column(tmp_path):
     assert any(line.startswith("blobs-union") and f"{SMALL[0]}x{SMALL[1]}" in line for line in out.splitlines())
     assert any(line.startswith("mean") for line in out.splitlines())
     assert any(line.startswith("worst case") for line in out.splitlines())
+    study = tmp_path / "study/blobs-union"
+    assert load_config(study / "run/config.yaml").train.device == "cpu"  # --device reaches every command
+    commands = (study / "commands.log").read_text().splitlines()
+    predicts = [line for line in commands if line.startswith("$ cloudseg predict")]
+    assert len(predicts) == 3 and all(line.endswith("--device cpu") for line in predicts)
     result = json.loads((tmp_path / "r.json").read_text())["results"][0]
     truth = read_label_csv(tmp_path / "study/blobs-union/data/test_solution.csv")
     assert result["scores"]["all-empty"]["dice"] == pytest.approx(truth.eq("").to_numpy().mean())

@@ -1,0 +1,398 @@
+"""What needs a real CUDA GPU: `make test-gpu` runs these (and every other test marked `gpu`) on
+one; without CUDA they are skipped (tests/conftest.py).
+
+The CPU suite reaches cloudseg's CUDA branches through the strict fake of tests/fake_cuda.py;
+here the fake is held to the real torch.cuda, and the paths run for real at tiny sizes (the
+64×96 dataset, a tiny decoder): mixed-precision training steps with `micro_batch: auto` and the
+out-of-memory retry, prediction, `cloudseg memory` with and without a cap, resume, and
+`checkpointing: auto` under a cap. Each test names what it assumes of the GPU. The whole file
+takes a few minutes on one GPU, whatever runs beside it: nothing here times anything.
+"""
+
+import math
+import os
+import signal
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cloudseg import memory
+from cloudseg import predict as predict_module
+from cloudseg import train as train_module
+from cloudseg.checkpoint import load_checkpoint
+from cloudseg.cli import main
+from cloudseg.config import load_config
+from cloudseg.data import CloudDataset, collate
+from cloudseg.hardware import autocast_dtype
+from cloudseg.model import build_model, prepare_for_training, set_checkpointing
+from cloudseg.predict import batch_probabilities, load_model, predict
+from cloudseg.train import Interrupted, train
+from tests.conftest import TINY, signal_during
+from tests.fake_cuda import Card
+
+# train.deterministic needs this before the process's first cuBLAS call (hardware.speed_switches
+# sets it too, but an earlier test of this process may have called cuBLAS already).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+pytestmark = pytest.mark.gpu
+
+ON_GPU = [*TINY, "train.device=cuda"]  # TINY says cpu; the later override wins
+CPU = torch.device("cpu")
+
+
+def gpu() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def process_cap_restored():
+    """This process's GPU memory cap as it was before the test (`cloudseg memory --limit-gb`
+    and the checkpointing test cap the process they run in)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.5
+    device, was = gpu(), get(gpu()) if get else 1.0
+    restore, empty_cache = torch.cuda.set_per_process_memory_fraction, torch.cuda.empty_cache  # the real ones,
+    yield  # should the test have faked torch.cuda meanwhile
+    restore(was, device)
+    empty_cache()
+
+
+@pytest.fixture
+def switches_restored(monkeypatch):
+    """cuDNN's flags and the deterministic-algorithms switch as they were (all process-wide;
+    train.deterministic leaves them set)."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    was = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+# ---------------------------------------------------------------------------------- the fake, held to torch
+
+# How each torch.cuda function that tests/fake_cuda.py fakes with a device argument is called.
+DEVICE_CALLS = {
+    "get_device_properties": lambda d: torch.cuda.get_device_properties(d),
+    "get_device_capability": lambda d: torch.cuda.get_device_capability(d),
+    "get_device_name": lambda d: torch.cuda.get_device_name(d),
+    "mem_get_info": lambda d: torch.cuda.mem_get_info(d),
+    "memory_reserved": lambda d: torch.cuda.memory_reserved(d),
+    "max_memory_allocated": lambda d: torch.cuda.max_memory_allocated(d),
+    "reset_peak_memory_stats": lambda d: torch.cuda.reset_peak_memory_stats(d),
+    "synchronize": lambda d: torch.cuda.synchronize(d),
+    "set_per_process_memory_fraction": lambda d: torch.cuda.set_per_process_memory_fraction(1.0, d),
+    "get_per_process_memory_fraction": lambda d: torch.cuda.get_per_process_memory_fraction(d),
+}
+# The functions it fakes without a device argument (their values are compared below); that the two
+# sets are all it fakes is checked on the CPU (tests/test_cuda_paths.py).
+WITHOUT_DEVICE = {"is_available", "device_count", "current_device", "get_arch_list", "is_bf16_supported", "empty_cache"}
+
+
+def device_forms() -> dict[str, object]:
+    """Every way cloudseg or a user names a device, and an index past the last GPU."""
+    past = torch.cuda.device_count()
+    return {"None": None, "0": 0, '"cuda"': "cuda", '"cuda:0"': "cuda:0", 'device("cuda")': torch.device("cuda"),
+            'device("cuda", 0)': torch.device("cuda", 0), 'device("cpu")': torch.device("cpu"), str(past): past}
+
+
+def this_machine_s_cards() -> list[Card]:
+    """The real GPUs as fake cards (read before the fake replaces torch.cuda)."""
+    properties = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return [Card(p.name, (p.major, p.minor), p.total_memory) for p in properties]
+
+
+def raised(call, device) -> type[Exception] | None:
+    try:
+        call(device)
+    except Exception as error:
+        return type(error)
+    return None
+
+
+def same_outcome(real: type[Exception] | None, fake: type[Exception] | None) -> bool:
+    """Both accept the argument, or both refuse it and whoever catches the fake's error class
+    catches the real error too (torch.AcceleratorError is a RuntimeError)."""
+    if real is None or fake is None:
+        return real is fake
+    return issubclass(real, fake)
+
+
+@pytest.mark.parametrize("name", DEVICE_CALLS)
+def test_the_fake_raises_exactly_where_torch_cuda_raises(name, fake_cuda, process_cap_restored):
+    """Each faked function with each device form: the fake raises where the real one raises, an
+    error of the same class (see same_outcome), and accepts what the real one accepts. Would
+    catch: a fake laxer than torch (the one that let `set_per_process_memory_fraction(f,
+    torch.device("cuda"))` through to the H100) or stricter. Assumes: CUDA initialized (the fake
+    models that state: before it, torch's memory statistics read 0 without looking at their
+    argument); the fraction set is 1.0, and the cap is restored."""
+    if not hasattr(torch.cuda, name):
+        pytest.skip(f"torch {torch.__version__} has no torch.cuda.{name}")
+    torch.cuda.init()
+    call, forms = DEVICE_CALLS[name], device_forms()
+    real = {form: raised(call, device) for form, device in forms.items()}
+    fake_cuda(*this_machine_s_cards(), arch_list=torch.cuda.get_arch_list(), cuda=torch.version.cuda)
+    fake = {form: raised(call, device) for form, device in forms.items()}
+    disagree = {form: (real[form], fake[form]) for form in forms if not same_outcome(real[form], fake[form])}
+    assert not disagree, f"torch.cuda.{name}: (real, fake) raised {disagree}"
+
+
+def reported() -> dict:
+    """What torch.cuda (real or fake) says without being given a device."""
+    return {"count": torch.cuda.device_count(), "current": torch.cuda.current_device(),
+            "bf16": torch.cuda.is_bf16_supported(), "native bf16": torch.cuda.is_bf16_supported(including_emulation=False),
+            "capability": torch.cuda.get_device_capability()}
+
+
+def test_the_fake_of_this_machine_s_gpus_reports_what_torch_cuda_reports(fake_cuda):
+    """The argument-less functions and the bf16 question, for fake cards copied from the real
+    ones. Would catch: a fake is_bf16_supported that answers another question than torch's (it
+    counts emulation by default), and a current device or count that differ."""
+    real = reported()
+    fake_cuda(*this_machine_s_cards(), arch_list=torch.cuda.get_arch_list(), cuda=torch.version.cuda)
+    fake = reported()
+    assert fake == real and torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------- training steps
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_steps_with_micro_batch_auto_survive_an_out_of_memory_error(
+        precision, dtype, data_copy, tmp_path, monkeypatch, wrap_built_models, caplog):
+    """One epoch on the GPU (4 windows of 4 images) in bf16 and in fp16 with its GradScaler,
+    `micro_batch: auto` probed for real, then an out-of-memory error planted in every training
+    forward of more than one image: the first window is redone at 2, then at 1. Would catch:
+    autocast not reaching the model (fp32 logits) or a step on the CPU, auto not probing upwards
+    (it must take 4, the whole window), the retry not run on CUDA (torch.cuda.empty_cache, the
+    redo), a scaler missing for fp16 or present for bf16, and a step that trains nothing or
+    diverges. Assumes: 4 tiny images fit (any GPU with a few hundred MB free); bf16 only where
+    the GPU has it natively (compute capability 8.0 or newer), fp16 anywhere."""
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bf16 (train.precision=auto gives it fp16)")
+    training, seen, initial = [], [], {}
+    real_step = train_module.resilient_step
+
+    def step(*args, **kwargs):  # the first window starts training; the memory probes come before
+        training.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "resilient_step", step)
+
+    def plant(model):
+        initial.update({name: value.clone() for name, value in model.state_dict().items()})
+
+        def out_of_memory_above_one_image(module, args):
+            if training and torch.is_grad_enabled() and len(args[0]) > 1:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (planted)")
+
+        model.register_forward_pre_hook(out_of_memory_above_one_image)
+        model.register_forward_hook(lambda module, args, out: seen.append((out.device.type, out.dtype)) if training
+                                    else None)
+        return model
+
+    wrap_built_models(plant)
+    caplog.set_level("INFO", logger="cloudseg")
+    options = [f"data.dir={data_copy}", *ON_GPU, "train.epochs=1", f"train.precision={precision}",
+               "train.micro_batch=auto"]
+    train(load_config("configs/demo.yaml", options), tmp_path / "run")
+
+    assert "train.micro_batch=auto: 4 (accumulation 1)" in caplog.text
+    assert "micro-batch now 2" in caplog.text and "micro-batch now 1, accumulation 4" in caplog.text
+    assert seen and set(seen) == {("cuda", dtype)}
+    assert np.isfinite(pd.read_csv(tmp_path / "run/metrics.csv")["train_loss"]).all()
+    last = load_checkpoint(tmp_path / "run/last.pt")
+    assert last["step"] == 4 and ("scale" in last["scaler"]) == (precision == "fp16")
+    weights = {name: value for name, value in last["model"].items() if value.is_floating_point()}
+    assert all(torch.isfinite(value).all() for value in weights.values())
+    changed = [name for name, value in weights.items() if not torch.equal(value, initial[name])]
+    assert len(changed) > 0.9 * len(weights), f"only {len(changed)} of {len(weights)} tensors trained"
+
+
+# ---------------------------------------------------------------------------------- prediction
+
+# Largest and mean |GPU - CPU| of a probability at 350x525, for the same checkpoint and images. The
+# GPU runs fp32 convolutions in TF32 (10 stored mantissa bits: operands rounded by up to 2^-11, 5e-4
+# relative) and bf16 autocast with 7 (2^-8, 4e-3), accumulating in fp32. bf16 autocast against fp32,
+# both on the CPU, for this test's checkpoint: largest 0.0028, mean 0.0003 (2-core VM, 2026-11-23);
+# TF32 rounds 8 times finer. The bounds leave a factor of about 17 over that, and a wrong GPU path
+# (normalization, a flip, a channel order, a missing sigmoid) moves probabilities by tenths.
+GPU_TOLERANCE = {"fp32": (0.02, 0.002), "bf16": (0.05, 0.005)}
+
+
+def test_predict_on_the_gpu_writes_a_valid_submission_and_gpu_probabilities_match_the_cpu(data_copy, tmp_path,
+                                                                                          monkeypatch):
+    """A checkpoint trained on the CPU (fp32), predicted on the GPU. Would catch: predict failing
+    on CUDA (a CUDA tensor handed to NumPy, a model left on the CPU), a submission that is not
+    sample_submission.csv's rows, and GPU probabilities that are not the CPU's within
+    GPU_TOLERANCE (see there), in fp32 (TF32) and, where the GPU has it natively (compute
+    capability 8.0 or newer), under bf16 autocast."""
+    run = tmp_path / "run"
+    train(load_config("configs/demo.yaml", [f"data.dir={data_copy}", *TINY, "train.epochs=1"]), run)
+    real_load, placed = predict_module.load_model, []
+
+    def load(path, device):
+        model, config = real_load(path, device)
+        placed.append(next(model.parameters()).device.type)
+        return model, config
+
+    monkeypatch.setattr(predict_module, "load_model", load)
+    path = predict([str(run / "best.pt")], None, str(tmp_path / "gpu.csv"), device="cuda")
+    assert placed == ["cuda"]
+    written = pd.read_csv(path, keep_default_na=False)["Image_Label"]
+    assert written.tolist() == pd.read_csv(data_copy / "sample_submission.csv")["Image_Label"].tolist()
+
+    dataset = CloudDataset(data_copy, "test")
+    images = collate([dataset[i] for i in range(len(dataset))])["image"]
+    on_cpu, config = load_model(run / "best.pt", CPU)
+    on_gpu, _ = load_model(run / "best.pt", gpu())
+    expected = batch_probabilities([on_cpu], images, None, config.predict).submission
+    native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    for precision, (largest, mean) in GPU_TOLERANCE.items() if native_bf16 else [("fp32", GPU_TOLERANCE["fp32"])]:
+        got = batch_probabilities([on_gpu], images.to(gpu()), autocast_dtype(precision, gpu()), config.predict)
+        difference = (got.submission.float().cpu() - expected).abs()
+        assert difference.max() <= largest and difference.mean() <= mean, (precision, difference.max(),
+                                                                             difference.mean())
+
+
+# ---------------------------------------------------------------------------------- cloudseg memory
+
+# Twice the tests' side: the table prints GiB to two decimals, and activations at 64x96 round to 0.
+MEMORY = ["-c", "configs/demo.yaml", "--micro-batch", "2", "data.image_size=[128,192]", "train.effective_batch=4",
+          "train.device=cuda"]
+
+
+def test_cloudseg_memory_measures_on_the_gpu(capsys):
+    """Without a cap: the table from real steps. Would catch: the command estimating on the CPU
+    beside a GPU, or failing on CUDA, a mode missing, and peaks that do not parse or are not
+    positive. Assumes: a tiny step fits an 80 GB card twice over (the 80 GB column)."""
+    assert main(["memory", *MEMORY]) == 0
+    out = capsys.readouterr().out
+    assert f"measured on {torch.cuda.get_device_name(gpu())}" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["none"], ["encoder"], ["full"])]
+    breakdown, fits = rows[:3], rows[3:]
+    assert [row[0] for row in rows] == ["none", "encoder", "full"] * 2
+    weights = {float(row[1]) for row in breakdown}  # one model in every mode
+    assert len(weights) == 1 and weights.pop() > 0 and all(float(row[6]) > 0 for row in breakdown)
+    assert all(int(row[-1]) >= 2 for row in fits)  # the 80 GB column
+
+
+def test_cloudseg_memory_under_a_cap_trains_every_precision_and_mode(capsys, process_cap_restored):
+    """`--limit-gb 1`: real training steps under a 1 GB cap, fp16 and bf16, each checkpointing
+    mode, with the retry and both autos. Would catch: the cap refused on CUDA (the crash of
+    2026-11-23: torch.device("cuda") without an index), a precision or mode left out, a row that
+    did not train at micro-batch 2. Assumes: the tiny step fits 1 GB at micro-batch 4."""
+    assert main(["memory", "--limit-gb", "1", *MEMORY]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("fp16 ", "bf16 "))]
+    assert [row[:2] for row in rows] == [[p, m] for p in ("fp16", "bf16") for m in ("none", "encoder", "full", "auto")]
+    for row in rows:
+        if row[1] == "auto":
+            assert row[2:] == ["->", "none"], row  # the least recomputation: everything fits
+        else:
+            assert float(row[2]) > 0 and row[3:] == ["2", "4", "yes"], row
+
+
+# ---------------------------------------------------------------------------------- resume
+
+
+def stopped_and_resumed(options: list[str], run, wrap_built_models) -> dict:
+    """A run stopped by SIGTERM in its second window, then resumed from its last.pt to the end
+    through the CLI; returns the final last.pt. (The third training forward is the second
+    window's first micro-batch: `checkpointing: none` in `options`, so no probe forwards first.)"""
+    wrap_built_models(lambda model: signal_during(model, 3, signal.SIGTERM))
+    with pytest.raises(Interrupted, match="stopped after window 2 of epoch 1"):
+        train(load_config("configs/demo.yaml", options), run)
+    wrap_built_models(None)
+    assert main(["train", "--resume", str(run)]) == 0
+    return load_checkpoint(run / "last.pt")
+
+
+def relative_distance(a: dict, b: dict) -> float:
+    """|a - b| / |a| over every floating tensor of two state dicts (weights and BatchNorm statistics)."""
+    names = [name for name, value in a.items() if value.is_floating_point()]
+    difference = sum(float((a[n].double() - b[n].double()).square().sum()) for n in names)
+    return math.sqrt(difference / sum(float(a[n].double().square().sum()) for n in names))
+
+
+def test_deterministic_resume_on_the_gpu_is_bit_exact(data_copy, tmp_path, wrap_built_models, switches_restored):
+    """train.deterministic=true: a run stopped mid-epoch and resumed equals the straight run bit
+    for bit (docs/memory-and-gpus.md). Would catch: a deterministic mode that misses a source of
+    GPU nondeterminism (cuDNN's benchmark, its nondeterministic algorithms, cuBLAS's workspace),
+    an op of the step without a deterministic algorithm (PyTorch raises in this mode), and any
+    resume that does not continue the same run. Assumes: the same GPU and software for both."""
+    options = [f"data.dir={data_copy}", *ON_GPU, "train.checkpointing=none", "train.deterministic=true"]
+    train(load_config("configs/demo.yaml", options), tmp_path / "straight")
+    resumed = stopped_and_resumed(options, tmp_path / "stopped", wrap_built_models)
+    straight = load_checkpoint(tmp_path / "straight/last.pt")
+    assert straight["step"] == resumed["step"]
+    differ = [name for name, value in straight["model"].items() if not torch.equal(value, resumed["model"][name])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+    a, b = pd.read_csv(tmp_path / "straight/metrics.csv"), pd.read_csv(tmp_path / "stopped/metrics.csv")
+    assert a["valid_loss"].tolist() == b["valid_loss"].tolist()
+
+
+# A resumed run's distance from a straight run (relative_distance) may be this many times the
+# distance between two straight runs, plus FLOOR: both are draws of the same GPU noise, so the
+# bound needs slack above 1, and where two straight runs happen to agree bit for bit the floor
+# stands in for the noise. A resume that loses part of the state lands orders of magnitude further
+# away: the control below (a resume without the optimizer's state) is 0.13 from the straight run
+# when this test runs on the CPU (2-core VM, 2026-11-23), where two straight runs are 0 apart.
+NOISE_FACTOR = 4
+FLOOR = 1e-5
+
+
+def test_default_resume_on_the_gpu_is_within_the_noise_of_two_straight_runs(data_copy, tmp_path, monkeypatch,
+                                                                             wrap_built_models, switches_restored):
+    """Without train.deterministic (cuDNN benchmark mode, atomics): two straight runs and a
+    stopped-and-resumed one, all on the GPU. Would catch: a resume that does not continue the
+    same run (data order, augmentation, optimizer, scheduler or scaler state), beyond the noise
+    two straight runs show. The control, a resume that forgets the optimizer's state, must land
+    outside the same bound: this shows the bound can fail at this size. Assumes: the noise of
+    two straight runs is far below the effect of a lost optimizer state (orders of magnitude on
+    the H100 picture of docs/memory-and-gpus.md)."""
+    options = [f"data.dir={data_copy}", *ON_GPU, "train.checkpointing=none"]
+    train(load_config("configs/demo.yaml", options), tmp_path / "a")
+    train(load_config("configs/demo.yaml", options), tmp_path / "b")
+    resumed = stopped_and_resumed(options, tmp_path / "resumed", wrap_built_models)
+    a, b = (load_checkpoint(tmp_path / run / "last.pt")["model"] for run in ("a", "b"))
+    bound = NOISE_FACTOR * relative_distance(a, b) + FLOOR
+    assert relative_distance(a, resumed["model"]) <= bound, (relative_distance(a, resumed["model"]), bound)
+
+    real_restore = train_module.restore
+    monkeypatch.setattr(train_module, "restore", lambda state, path, **parts: real_restore(
+        state, path, **{name: part for name, part in parts.items() if name != "optimizer"}))
+    broken = stopped_and_resumed(options, tmp_path / "broken", wrap_built_models)
+    assert relative_distance(a, broken["model"]) > bound, (relative_distance(a, broken["model"]), bound)
+
+
+# ---------------------------------------------------------------------------------- checkpointing: auto
+
+CHECKPOINTING_SIZE = (640, 960)  # large enough that activations, not workspaces or rounding, set the peaks
+
+
+@pytest.mark.skipif(not hasattr(torch.cuda, "get_per_process_memory_fraction"),
+                    reason="torch < 2.5 cannot read its memory cap, which checkpointing auto probes against")
+def test_checkpointing_auto_picks_encoder_under_a_cap_between_the_none_and_encoder_peaks(process_cap_restored,
+                                                                                         monkeypatch):
+    """The peaks of `none` and `encoder` measured as the planner measures them (UNet-ResNet34,
+    micro-batch 4, precision auto, 640x960), then this process capped so that the usable memory
+    (the cap less the 10% margin) falls halfway between them: auto must pick `encoder`. Would
+    catch: the cap not read (auto picks none: the GPU's whole memory), the margin ignored, the
+    modes tried in another order, an out-of-memory probe not caught. Assumes: cuDNN's benchmark
+    off (its workspaces grow with the free memory, so an uncapped peak would overstate a capped
+    one); encoder saving at least 5% of the peak at this size (about 20% at full size on the
+    H100); the cap restored afterwards."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    config = load_config("configs/fullres.yaml", ["model.encoder_weights=null", "train.micro_batch=4",
+                                                  "train.effective_batch=16", "train.checkpointing=auto"])
+    model = prepare_for_training(build_model(config.model, pretrained=False).to(gpu()).train(),
+                                 config.train.channels_last, "none")
+    peaks = {}
+    for mode in ("none", "encoder"):
+        set_checkpointing(model, mode)
+        peaks[mode] = memory.measured_peak(model, config, 4, CHECKPOINTING_SIZE, gpu())
+    assert peaks["encoder"] < 0.95 * peaks["none"], peaks  # room for a cap between them
+    usable = (peaks["none"] + peaks["encoder"]) / 2
+    total = torch.cuda.get_device_properties(gpu()).total_memory
+    torch.cuda.set_per_process_memory_fraction(usable / (1 - memory.SAFETY_MARGIN) / total, gpu())
+    assert memory.resolve_checkpointing(config, model, CHECKPOINTING_SIZE, gpu()) == "encoder"
