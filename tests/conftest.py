@@ -69,3 +69,19 @@ def signal_during(model, call, signum, training=True):
 def assert_same_parameters(a, b, tol=1e-12):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=tol, rtol=0), f"{name} differs by {(p - q).abs().max():.3g}"
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """train.compile's graphs without code generation (torch.compile's aot_eager backend: the
+    same graph capture and AOTAutograd, eager kernels), from a clean torch._dynamo state whose
+    counters the test can read."""
+    from torch._dynamo.utils import counters
+
+    from cloudseg import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
