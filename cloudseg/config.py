@@ -108,6 +108,10 @@ class TrainConfig(Section):
     checkpointing: Literal["none", "encoder", "full"] = Field(
         "none", description="recompute activations in backward: encoder blocks, or encoder and decoder blocks"
     )
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each micro-batch's forward and loss (one graph per micro-batch shape, "
+        "compiled in the first window); auto = on with CUDA"
+    )
 
     @model_validator(mode="after")
     def _accumulation_divides(self):
