@@ -204,16 +204,17 @@ class WindowStatistics:
             return
         sums = distributed.summed(self.sums)
         micro_batches, offset = sums[-1], 0
+        learned = micro_batches > 0  # else no process had an image: nothing to learn from
         for layer, (momentum, mean, var, count) in zip(self.layers, self.before):
             size = len(mean)
             window = sums[offset : offset + 2 * size] / micro_batches
             offset += 2 * size
             factor = momentum if momentum is not None else 1 / (count.double() + 1)
             old = torch.cat([mean, var]).double()
-            new = torch.where(micro_batches > 0, (1 - factor) * old + factor * window, old)  # 0: nothing to learn from
+            new = torch.where(learned, (1 - factor) * old + factor * window, old)
             layer.momentum = momentum
             layer.running_mean.copy_(new[:size]), layer.running_var.copy_(new[size:])
-            layer.num_batches_tracked.copy_(count + (micro_batches > 0).long())
+            layer.num_batches_tracked.copy_(count + learned.long())
 
 
 def resilient_step(ctx: StepContext, window: list[dict], micro_batch: int, window_images: int | None = None,

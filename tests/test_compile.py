@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from cloudseg import compiled, engine
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
-from cloudseg.compiled import graph_counts, resolve_compile
+from cloudseg.compiled import compile_logged, graph_counts, resolve_compile
 from cloudseg.config import ModelConfig, load_config
 from cloudseg.engine import StepContext, micro_batch_losses, resilient_step, train_step, windows
 from cloudseg.model import build_model, prepare_for_training
@@ -62,13 +62,17 @@ def test_a_compiled_run_is_one_graph_without_breaks_and_trains_what_eager_trains
     assert_same_state(eager["model"], compiled_run["model"])
 
 
-def test_the_test_can_fail_momentum_none_breaks_the_graph(aot_eager):
+def test_the_test_can_fail_momentum_none_breaks_the_graph_and_the_log_says_so(aot_eager, caplog):
     """The counter above sees graph breaks: BatchNorm with momentum=None (the engine's old
-    cumulative average) computes 1 / float(num_batches_tracked) in the model."""
+    cumulative average) computes 1 / float(num_batches_tracked) in the model. Would also catch
+    a graph break that one process does not warn about."""
     net = NormNet(momentum=None).double().train()
     batch = next(iter(DataLoader(Images(2), batch_size=2)))
-    compiled.compiled(micro_batch_losses)(net, batch["image"], batch["mask"], None, 1.0)
+    with compile_logged(True, batch["image"].shape):
+        compiled.compiled(micro_batch_losses)(net, batch["image"], batch["mask"], None, 1.0)
     assert graph_counts()[1] > 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cloudseg" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "graph breaks in the training step" in warnings[0] and "item()" in warnings[0]
 
 
 @pytest.mark.parametrize("mode", ["encoder", "full"])
