@@ -160,3 +160,38 @@ def test_cloudseg_train_compiles_with_inductor_on_the_cpu_without_a_graph_break(
     assert "1 graph(s) compiled, 0 graph break(s)" in caplog.text and "graph breaks" not in caplog.text
     eager, compiled_run = (load_checkpoint(tmp_path / name / "last.pt")["model"] for name in ("eager", "compiled"))
     assert_same_state(eager, compiled_run)
+
+
+@pytest.mark.slow  # inductor compiles Triton kernels: a minute or two
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_compiled_step_has_no_graph_break_and_trains_what_eager_trains():
+    """Would catch: a graph break or a recompile that only CUDA shows (cuDNN, autocast,
+    channels_last), and inductor's GPU kernels training other weights than eager (float64,
+    two windows of two micro-batches; looser than on the CPU: other summation orders)."""
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda")
+    batches = [{key: value.repeat(1, 1, 8, 8)[..., :64, :96].to(device) for key, value in batch.items()}
+               for batch in DataLoader(Images(8), batch_size=2)]
+
+    def trained(compile, dtype, model_dtype):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(encoder="resnet18", encoder_weights=None, decoder_channels=(8, 8, 8)))
+        model = prepare_for_training(model.to(device, model_dtype).train(), channels_last=True, checkpointing="none")
+        ctx = StepContext(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          torch.amp.GradScaler("cuda", enabled=dtype == torch.float16), device, dtype, compile=compile)
+        for window in (batches[:2], batches[2:]):
+            train_step(ctx, window)
+        return model.state_dict()
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        eager, compiled_run = trained(False, None, torch.float64), trained(True, None, torch.float64)
+        assert graph_counts() == (1, 0)
+        assert_same_state(eager, compiled_run, rtol=1e-7, atol=1e-9)
+        counters.clear()
+        trained(True, torch.bfloat16, torch.float32)
+        assert graph_counts() == (1, 0)
+    finally:
+        torch._dynamo.reset()
