@@ -14,6 +14,7 @@ free of the Python float that would otherwise break the graph in every layer.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import time
 
@@ -26,8 +27,15 @@ BACKEND = "inductor"  # torch.compile's default; tests swap in "aot_eager" (the 
 
 
 def resolve_compile(setting: bool | str, device: torch.device) -> bool:
-    """`train.compile`: auto compiles on CUDA only (on a CPU the compile costs more than it saves)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+    """`train.compile`: auto compiles on CUDA where Triton is installed, which inductor writes
+    GPU kernels in (PyTorch's Linux wheels bring it; Windows ones do not). On a CPU the compile
+    costs more than it saves."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        log.info("train.compile=auto: not compiling, Triton is not installed (torch.compile needs it on a GPU)")
+        return False
+    return device.type == "cuda"
 
 
 def compiled(function):

@@ -110,7 +110,7 @@ class TrainConfig(Section):
     )
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each micro-batch's forward and loss (one graph per micro-batch shape, "
-        "compiled in the first window); auto = on with CUDA"
+        "compiled in the first window); auto = on with CUDA (where Triton is installed)"
     )
 
     @model_validator(mode="after")

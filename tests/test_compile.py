@@ -1,8 +1,9 @@
 """train.compile: each micro-batch's forward and loss as one torch.compile graph, with the same
-exactness as the eager step (engine.py, compiled.py). All on the CPU: most tests use the
-aot_eager backend (the same graph capture and AOTAutograd, no code generation); one trains with
-the default inductor backend."""
+exactness as the eager step (engine.py, compiled.py). On the CPU most tests use the aot_eager
+backend (the same graph capture and AOTAutograd, no code generation); one trains with the
+default inductor backend, and one runs on a CUDA GPU where there is one."""
 
+import importlib.util
 import logging
 
 import pytest
@@ -33,11 +34,15 @@ def assert_same_state(one: dict, other: dict, **tolerance):
         torch.testing.assert_close(other[name], tensor, **(tolerance or EXACT), msg=name)
 
 
-def test_auto_compiles_with_cuda_only():
-    """Would catch: auto compiling on a CPU (minutes of compiling for a demo), or true/false ignored."""
+def test_auto_compiles_with_cuda_only(monkeypatch):
+    """Would catch: auto compiling on a CPU (minutes of compiling for a demo) or on a GPU without
+    Triton (inductor would fail in the first window), and true/false ignored."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert [resolve_compile(setting, cpu) for setting in ("auto", True, False)] == [False, True, False]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
     assert [resolve_compile(setting, cuda) for setting in ("auto", True, False)] == [True, True, False]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert [resolve_compile(setting, cuda) for setting in ("auto", True, False)] == [False, True, False]
     assert load_config(None, ["train.compile=true"]).train.compile is True
     with pytest.raises(ValueError, match="train.compile"):
         load_config(None, ["train.compile=sometimes"])
