@@ -149,7 +149,9 @@ def test_two_compiled_processes_train_what_one_eager_process_trains(data_copy, t
 @pytest.mark.slow  # inductor generates and compiles C++ for the forward and the backward (minutes on 2 cores)
 def test_cloudseg_train_compiles_with_inductor_on_the_cpu_without_a_graph_break(data_copy, tmp_path, caplog):
     """Would catch: code that only aot_eager accepts, a graph break under the real backend, and
-    generated kernels whose sums drift from eager beyond 1e-9 relative in float64 after an epoch."""
+    generated kernels whose sums drift from eager beyond 1e-8 relative in float64 after an epoch
+    (measured here: 2.6e-13 absolute, 4.5e-10 relative at worst; the vector width of the CPU
+    changes inductor's summation order, hence the margin)."""
     assert compiled.BACKEND == "inductor"
     caplog.set_level(logging.INFO, logger="cloudseg")
     options = [f"data.dir={data_copy}", *SMALL, "train.epochs=1", "model.decoder_channels=[8,8]"]
@@ -164,7 +166,7 @@ def test_cloudseg_train_compiles_with_inductor_on_the_cpu_without_a_graph_break(
         torch._dynamo.reset()
     assert "1 graph(s) compiled, 0 graph break(s)" in caplog.text and "graph breaks" not in caplog.text
     eager, compiled_run = (load_checkpoint(tmp_path / name / "last.pt")["model"] for name in ("eager", "compiled"))
-    assert_same_state(eager, compiled_run)
+    assert_same_state(eager, compiled_run, rtol=1e-8, atol=1e-11)
 
 
 @pytest.mark.slow  # inductor compiles Triton kernels: a minute or two
