@@ -1,17 +1,27 @@
-"""Full-resolution training and inference speed and memory, side by side; prints a table.
+"""Full-resolution training and inference speed, memory and MFU, side by side; prints a table.
 
   a. textbook accumulation loop: fp32, loss / accumulation_steps, no AMP, no channels_last
-  b. cloudseg's default training step (precision auto: bf16 from compute capability 8.0, fp16 before; channels_last)
-  c. cloudseg with train.checkpointing=full
-  d. PyTorch Lightning, Trainer(accumulate_grad_batches=4, precision as cloudseg's auto), same model
-  e. data loading alone: CloudDataset (JPEG decode + 4 RLE decodes + flips), per CPU core
-  and inference: test-time images/s with 4-flip TTA, projected to Kaggle's 3,698 test images.
+  b. PyTorch Lightning at its defaults: Trainer(accumulate_grad_batches=4), precision as cloudseg's auto
+  c. Lightning set up carefully: bf16-mixed / 16-mixed, benchmark=True, model and inputs channels_last
+  d. cloudseg's step, eager (train.compile=false)
+  e. cloudseg's step, compiled (train.compile=true; what auto gives on CUDA)
+  f. cloudseg eager and g. compiled, with train.checkpointing=encoder and full
+  c, d, e: in each precision of --precisions (bf16 and fp16 where both are native); f, g: the first.
+  Then the targets (compiled against careful Lightning, checkpointing's cost, fp16 against bf16),
+  which batch-norm backend PyTorch picks per precision, and with --profile the time per op of
+  one eager window in each precision. Also data loading per CPU core, and inference with
+  4-flip TTA projected to Kaggle's 3,698 test images.
 
-Same model (UNet-ResNet34) and the same synthetic batches for a-d. On CUDA the default is
-the real size (1400x2100, padded 1408x2112, micro-batch 4, effective batch 16). Without CUDA
-the script runs a small size so that it stays testable; its figures mean nothing for GPUs.
+MFU: images/s × FLOPs per image (cloudseg.flops: forward + backward, counted on meta tensors)
+over the GPU's datasheet dense 16-bit peak; n/a on a CPU or a GPU cloudseg.flops does not list.
+Same model (UNet-ResNet34) and the same synthetic batches for a-g. On CUDA the default is the
+real size (1400x2100, padded 1408x2112, micro-batch 4, effective batch 16). Without CUDA the
+script runs a small size in fp32 without compiled rows, so that it stays testable; its figures
+mean nothing for GPUs. Lightning is optional (`uv pip install -e .[bench]`): without it its rows
+say skipped.
 
-Usage: python benchmarks/train_speed.py [--height H --width W --steps N --json OUT]
+Usage: python benchmarks/train_speed.py [--height H --width W --steps N --precisions bf16 fp16
+       --compiled --backend inductor --profile --json OUT]
 """
 
 from __future__ import annotations
@@ -27,17 +37,21 @@ import time
 import cv2
 import torch
 
+from cloudseg import compiled
 from cloudseg.config import load_config
 from cloudseg.data import CloudDataset, build_transform
-from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision
+from cloudseg.engine import StepContext, train_step
+from cloudseg.flops import peak_flops, step_flops_per_image
+from cloudseg.hardware import AUTOCAST_DTYPES, autocast_dtype, needs_grad_scaler, resolve_precision, speed_switches
+from cloudseg.loss import per_image_loss
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.predict import predict_probs
 from cloudseg.synth import synthesize
-from cloudseg.engine import StepContext, train_step
-from cloudseg.loss import per_image_loss
 
 KAGGLE_TEST_IMAGES = 3698
-LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}  # as cloudseg's auto
+LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+TEXTBOOK = "a. textbook loop (fp32)"
+STEP = {False: "eager", True: "compiled"}  # train.compile
 
 
 def main() -> None:
@@ -46,17 +60,18 @@ def main() -> None:
     config = load_config("configs/fullres.yaml", ["model.encoder_weights=null", f"model.encoder={args.encoder}",
                                                   f"train.micro_batch={args.micro_batch}",
                                                   f"train.effective_batch={args.effective_batch}"])
+    compiled.BACKEND = args.backend
     batches = synthetic_batches(args, device)
     print(header(args, device))
-    rows = {
-        "a. textbook loop (fp32)": timed(device, lambda: textbook(config, batches, args, device)),
-        "b. cloudseg default": timed(device, lambda: cloudseg(config, batches, args, device, "none")),
-        "c. cloudseg checkpointing=full": timed(device, lambda: cloudseg(config, batches, args, device, "full")),
-        "d. Lightning, same precision": timed(device, lambda: lightning(config, batches, args, device)),
-    }
-    print_table(rows)
+    rows = training_rows(config, batches, args, device)
+    flops = step_flops_per_image(config.model, (args.height, args.width))
+    peak = peak_flops(device_name(device)) if device.type == "cuda" else None
+    print_table(rows, flops, peak)
+    print_targets(rows, args.precisions)
+    print_batch_norm_backends(args.precisions, device)
+    profiles = {p: op_profile(config, batches, args, device, p) for p in args.precisions} if args.profile else {}
     loader_rate = loading_rate(args)
-    print(f"\ne. data loading: {loader_rate:.1f} samples/s per CPU core at {args.loader_size[0]}x{args.loader_size[1]}")
+    print(f"\ndata loading: {loader_rate:.1f} samples/s per CPU core at {args.loader_size[0]}x{args.loader_size[1]}")
     inference_rate = timed(device, lambda: inference(config, batches, args, device))
     if inference_rate:
         projected = KAGGLE_TEST_IMAGES / inference_rate[0]
@@ -65,12 +80,41 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"device": device_name(device), "torch": torch.__version__, "args": vars(args),
-                       "rows": rows, "loader_samples_per_s_per_core": loader_rate,
-                       "inference": inference_rate}, file, indent=1)
+                       "flops_per_image": flops, "peak_flops": peak, "rows": rows, "profiles": profiles,
+                       "loader_samples_per_s_per_core": loader_rate, "inference": inference_rate}, file, indent=1)
+
+
+def training_rows(config, batches, args, device) -> dict:
+    """Each row's (images/s, peak GiB) or None where skipped, in the order of the docstring."""
+    first = args.precisions[0]
+    default = resolve_precision("auto", device)
+    torch.backends.cudnn.benchmark = False  # a and b as their authors leave it; cloudseg's rows switch it on
+    rows = {TEXTBOOK: timed(device, lambda: textbook(config, batches, args, device)),
+            f"b. Lightning at its defaults, {default}": timed(device, lambda: lightning(
+                config, batches, args, device, default, careful=False))}
+    for p in args.precisions:
+        rows[f"c. Lightning careful, {p}"] = timed(device, lambda: lightning(config, batches, args, device, p, careful=True))
+    speed_switches(device)  # as `cloudseg train` does
+    for letter, compile in (("d", False), ("e", True)):
+        for p in args.precisions:
+            rows[f"{letter}. cloudseg {STEP[compile]}, {p}"] = cloudseg_row(config, batches, args, device, p, compile)
+    for letter, compile in (("f", False), ("g", True)):
+        for mode in ("encoder", "full"):
+            rows[f"{letter}. cloudseg {STEP[compile]}, {first}, checkpointing={mode}"] = cloudseg_row(
+                config, batches, args, device, first, compile, mode)
+    return rows
+
+
+def cloudseg_row(config, batches, args, device, precision, compile, checkpointing="none"):
+    if compile and not args.compiled:
+        print(f"  skipped cloudseg compiled, {precision}, checkpointing={checkpointing}: --no-compiled")
+        return None
+    return timed(device, lambda: cloudseg(config, batches, args, device, precision, checkpointing, compile))
 
 
 def parse_args():
     cuda = torch.cuda.is_available()
+    native_bf16 = cuda and resolve_precision("auto", torch.device("cuda")) == "bf16"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--height", type=int, default=1400 if cuda else 128)
     parser.add_argument("--width", type=int, default=2100 if cuda else 192)
@@ -78,7 +122,16 @@ def parse_args():
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--effective-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6 if cuda else 2, help="timed optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=2 if cuda else 1, help="untimed optimizer steps first")
+    parser.add_argument("--warmup", type=int, default=2 if cuda else 1,
+                        help="untimed optimizer steps first (the compiled rows compile in the first)")
+    parser.add_argument("--precisions", nargs="+", choices=("bf16", "fp16", "fp32"),
+                        default=["bf16", "fp16"] if native_bf16 else ["fp16"] if cuda else ["fp32"],
+                        help="precisions of rows c, d, e (the first also for f, g)")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=cuda,
+                        help="run the compiled rows (default: with CUDA only; on 2 CPU cores a compile takes minutes)")
+    parser.add_argument("--backend", default=compiled.BACKEND, help="torch.compile backend of the compiled rows")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=cuda,
+                        help="time per op of one eager window in each precision (torch.profiler)")
     parser.add_argument("--loader-images", type=int, default=8)
     parser.add_argument("--loader-size", type=int, nargs=2, default=(1400, 2100), metavar=("H", "W"),
                         help="image size of the loading benchmark (a CPU measure: full resolution by default)")
@@ -135,34 +188,52 @@ def textbook(config, batches, args, device):
     return args.steps * args.effective_batch, time.perf_counter() - start
 
 
-def cloudseg(config, batches, args, device, checkpointing):
+def step_context(config, device, precision, checkpointing="none", compile=False) -> StepContext:
+    """A fresh model and optimizer behind cloudseg's step, switched as `cloudseg train` switches them."""
     model = build_model(config.model, pretrained=False).to(device).train()
     prepare_for_training(model, config.train.channels_last, checkpointing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr)
-    dtype = autocast_dtype(config.train.precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
+    dtype = AUTOCAST_DTYPES[precision]
+    return StepContext(model, torch.optim.AdamW(model.parameters(), lr=config.train.lr),
+                       torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype)), device, dtype,
+                       config.train.grad_clip, config.train.dice_weight, compile)
+
+
+def cloudseg(config, batches, args, device, precision, checkpointing, compile):
+    """cloudseg's step; a compiled row compiles in its first warmup window (from a clean torch._dynamo)."""
+    if compile:
+        torch._dynamo.reset()
+    ctx = step_context(config, device, precision, checkpointing, compile)
     accumulation = args.effective_batch // args.micro_batch
     windows = [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
-    start = None
+    start = time.perf_counter()
     for i, window in enumerate(windows):
+        if i == 1 and compile:
+            synchronize(device)
+            print(f"  compiled ({args.backend}), {precision}, checkpointing={checkpointing}: first window "
+                  f"{time.perf_counter() - start:.1f} s, compiling included")
         if i == args.warmup:
             synchronize(device)
             start = time.perf_counter()
-        train_step(StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight), window)
+        train_step(ctx, window)
     synchronize(device)
     return args.steps * args.effective_batch, time.perf_counter() - start
 
 
-def lightning(config, batches, args, device):
+def lightning(config, batches, args, device, precision, careful):
+    """Lightning's own accumulation; `careful`: a user who also knows cuDNN's benchmark mode and
+    channels_last (model and inputs)."""
     import pytorch_lightning as pl  # optional: pip install pytorch-lightning
 
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.model = build_model(config.model, pretrained=False)
+            if careful:
+                prepare_for_training(self.model, channels_last=True, checkpointing="none")
 
         def training_step(self, batch, index):
-            return per_image_loss(self.model(batch["image"]), batch["mask"]).mean()
+            images = batch["image"].contiguous(memory_format=torch.channels_last) if careful else batch["image"]
+            return per_image_loss(self.model(images), batch["mask"]).mean()
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=config.train.lr)
@@ -177,13 +248,38 @@ def lightning(config, batches, args, device):
 
     accumulation = args.effective_batch // args.micro_batch
     trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         precision=LIGHTNING_PRECISION[resolve_precision(config.train.precision, device)],
+                         precision=LIGHTNING_PRECISION[precision], benchmark=True if careful else None,
                          accumulate_grad_batches=accumulation, max_steps=args.warmup + args.steps,
                          gradient_clip_val=config.train.grad_clip, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()])
     trainer.fit(Module(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     synchronize(device)
     return args.steps * args.effective_batch, time.perf_counter() - Clock.start
+
+
+def op_profile(config, batches, args, device, precision) -> dict[str, float]:
+    """Milliseconds per image of the ops that took longest in one eager window (on CUDA the
+    GPU's time, on a CPU the CPU's), after one window that lets cuDNN pick its algorithms."""
+    ctx = step_context(config, device, precision)
+    window = batches[: args.effective_batch // args.micro_batch]
+    train_step(ctx, window)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        train_step(ctx, window)
+        synchronize(device)
+    names = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
+    microseconds = {event.key: next(getattr(event, name) for name in names if hasattr(event, name))
+                    for event in profiler.key_averages()}
+    per_image = {op: us / 1e3 / args.effective_batch for op, us in microseconds.items() if op.startswith("aten::")}
+    top = dict(sorted(per_image.items(), key=lambda item: -item[1])[:8])
+    batch_norm = sum(ms for op, ms in per_image.items() if "batch_norm" in op)
+    print(f"\n{precision}, eager, ms per image by op ({'GPU' if device.type == 'cuda' else 'CPU'} self time); "
+          f"all batch-norm ops: {batch_norm:.2f} ms")
+    for op, ms in top.items():
+        print(f"  {op:<48}{ms:>9.2f}")
+    return {"batch_norm_ms_per_image": batch_norm, "top_ms_per_image": top}
 
 
 def inference(config, batches, args, device):
@@ -218,14 +314,57 @@ def loading_rate(args) -> float:
     return rates[len(rates) // 2]
 
 
-def print_table(rows) -> None:
-    base = rows["a. textbook loop (fp32)"][0]
-    print(f"\n| run | images/s | peak GiB | vs (a) |\n| --- | ---: | ---: | ---: |")
+def print_table(rows, flops_per_image, peak) -> None:
+    base = (rows[TEXTBOOK] or (float("nan"),))[0]
+    print(f"\n| run | images/s | peak GiB | MFU | vs (a) |\n| --- | ---: | ---: | ---: | ---: |")
     for name, result in rows.items():
         if result is None:
-            print(f"| {name} | skipped | | |")
-        else:
-            print(f"| {name} | {result[0]:.2f} | {result[1]:.2f} | {result[0] / base:.2f}x |")
+            print(f"| {name} | skipped | | | |")
+            continue
+        mfu = f"{result[0] * flops_per_image / peak:.1%}" if peak else "n/a"
+        print(f"| {name} | {result[0]:.2f} | {result[1]:.2f} | {mfu} | {result[0] / base:.2f}x |")
+    print(f"\nMFU: {flops_per_image / 1e12:.3f} TFLOP per image (forward + backward), "
+          + (f"datasheet dense 16-bit peak {peak / 1e12:.1f} TFLOP/s" if peak else "no datasheet peak for this device"))
+
+
+def print_targets(rows, precisions) -> None:
+    """The issue's targets, from the rows that ran (n/a where one was skipped)."""
+    def rate(name):
+        return rows[name][0] if rows.get(name) else None
+
+    def ratio(numerator, denominator, form="{:.2f}x"):
+        top, bottom = rate(numerator), rate(denominator)
+        return form.format(top / bottom) if top and bottom else "n/a"
+
+    print("\ntargets")
+    for p in precisions:
+        print(f"  compiled against careful Lightning, {p}: {ratio(f'e. cloudseg compiled, {p}', f'c. Lightning careful, {p}')}"
+              " (target >= 1.5x, and >= 60 images/s at micro-batch 4 on an H100)")
+    for letter, step in (("f", "eager"), ("g", "compiled")):
+        base = f"{'d' if step == 'eager' else 'e'}. cloudseg {step}, {precisions[0]}"
+        for mode in ("encoder", "full"):
+            cost = ratio(base, f"{letter}. cloudseg {step}, {precisions[0]}, checkpointing={mode}", "{:.2f}x")
+            print(f"  checkpointing={mode}, {step}: time per image {cost} of none (target <= 1.25x)")
+    if {"bf16", "fp16"} <= set(precisions):
+        for letter, step in (("d", "eager"), ("e", "compiled")):
+            print(f"  fp16 against bf16, {step}: {ratio(f'{letter}. cloudseg {step}, fp16', f'{letter}. cloudseg {step}, bf16')}")
+
+
+def print_batch_norm_backends(precisions, device) -> None:
+    """Which batch-norm implementation PyTorch picks for a channels_last activation of each
+    precision (its own rule, aten's _select_batch_norm_backend): cuDNN refuses bf16 there."""
+    select = getattr(torch._C, "_select_batch_norm_backend", None)
+    if select is None:
+        print("\nbatch-norm backend: this PyTorch does not say")
+        return
+    weight = torch.ones(64, device=device)
+    picks = []
+    for p in precisions:
+        x = torch.zeros(4, 64, 32, 32, device=device, dtype=AUTOCAST_DTYPES[p] or torch.float32)
+        backend = select(x.contiguous(memory_format=torch.channels_last), weight, torch.zeros_like(weight),
+                         torch.zeros_like(weight), torch.ones_like(weight), True, 1e-5)
+        picks.append(f"{p} {backend.name}")
+    print(f"\nbatch-norm backend in training: {', '.join(picks)}")
 
 
 def device_name(device) -> str:

@@ -115,6 +115,10 @@ class TrainConfig(Section):
         False, description="deterministic GPU algorithms (cuDNN, cuBLAS, no benchmark): runs and resumes repeat bit "
         "for bit on a GPU, ~10% slower; false = fastest kernels, runs differ in the last bits"
     )
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each micro-batch's forward and loss (one graph per micro-batch shape, "
+        "compiled in the first window); auto = on with CUDA (where Triton is installed)"
+    )
 
     @model_validator(mode="after")
     def _accumulation_divides(self):

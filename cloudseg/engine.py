@@ -14,7 +14,8 @@ running mean and variance take one momentum step toward the mean of the window's
 micro-batch statistics, pooled over every process. This does not depend on how the
 micro-batches are dealt to processes, so every rank holds the same statistics after every
 window, equal (up to rounding) to what one process holds: validation, out-of-fold
-prediction and checkpoints all see one model.
+prediction and checkpoints all see one model. It keeps no Python number inside the model,
+so that with `train.compile` each micro-batch's forward and loss are one graph (compiled.py).
 The training run (train.py) and the memory planner (memory.py) both step through here.
 """
 
@@ -31,10 +32,11 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from cloudseg import distributed
+from cloudseg.compiled import compile_logged, compiled
 from cloudseg.decode import decode_batch
 from cloudseg.hardware import autocast
 from cloudseg.loss import per_image_loss
-from cloudseg.model import norm_statistics, norm_statistics_kept, restore_norm_statistics
+from cloudseg.model import norm_statistics, restore_norm_statistics
 
 log = logging.getLogger("cloudseg")
 
@@ -50,6 +52,10 @@ class StepContext:
     dtype: torch.dtype | None = None  # autocast dtype; None = plain fp32
     grad_clip: float | None = None  # max global gradient norm; None = no clipping
     dice_weight: float = 1.0  # loss = BCE + dice_weight × soft Dice
+    compile: bool = False  # train.compile: each micro-batch's forward and loss as one torch.compile graph
+
+    def __post_init__(self):
+        self.losses = compiled(micro_batch_losses) if self.compile else micro_batch_losses
 
 
 class StepResult(NamedTuple):
@@ -80,20 +86,31 @@ def split(window: list[dict], micro_batch: int | None) -> list[dict]:
             for batch in window for start in range(0, len(batch["image"]), micro_batch)]
 
 
-def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, weight: float = 1.0) -> torch.Tensor:
+def micro_batch_losses(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor, dtype: torch.dtype | None,
+                       dice_weight: float) -> torch.Tensor:
+    """Forward one micro-batch under autocast; its per-image losses, in fp32 or wider."""
+    with autocast(images.device, dtype):
+        logits = model(images)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return per_image_loss(logits, masks, dice_weight)
+
+
+def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, weight: float = 1.0,
+               statistics: WindowStatistics | None = None) -> torch.Tensor:
     """Forward and backward through each micro-batch, its loss weighted by its share of the
     window (`weight` × the sum of its per-image losses / `window_images`); gradients add up in
-    the parameters. Only the last micro-batch all-reduces under DDP. Returns the summed loss."""
+    the parameters, and `statistics` gathers each micro-batch's BatchNorm statistics. Only the
+    last micro-batch all-reduces under DDP. Returns the summed loss."""
     window_loss = torch.zeros((), device=ctx.device)
     for i, batch in enumerate(micro_batches):
         with distributed.gradient_sync(ctx.model, now=i == len(micro_batches) - 1):
             batch = decode_batch(batch, ctx.device)
             images = batch["image"].to(ctx.device, non_blocking=True)
             masks = batch["mask"].to(ctx.device, non_blocking=True)
-            with autocast(ctx.device, ctx.dtype):
-                logits = ctx.model(images)
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # loss in >= fp32
-            loss = per_image_loss(logits, masks, ctx.dice_weight).sum() * weight / window_images
+            losses = ctx.losses(ctx.model, images, masks, ctx.dtype, ctx.dice_weight)
+            if statistics is not None:
+                statistics.add()  # outside the compiled graph
+            loss = losses.sum() * weight / window_images
             ctx.scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
         window_loss += loss.detach()
     return window_loss
@@ -111,9 +128,13 @@ def train_step(ctx: StepContext, window: list[dict], micro_batch: int | None = N
     """
     world = distributed.world_size()
     window_images = window_images or sum(len(batch["image"]) for batch in window)
+    micro_batches = split(window, micro_batch) or [blank]
     # DDP averages the ranks' gradients: scaling by `world` makes that average the window's sum.
-    with window_norm_statistics(ctx.model), norm_statistics_kept(ctx.model) if not window else contextlib.nullcontext():
-        window_loss = accumulate(ctx, split(window, micro_batch) or [blank], window_images, world if window else 0)
+    # The blank batch's BatchNorm statistics are not gathered.
+    with compile_logged(ctx.compile, micro_batches[0]["image"].shape, world), \
+            window_norm_statistics(ctx.model) as statistics:
+        window_loss = accumulate(ctx, micro_batches, window_images, world if window else 0,
+                                 statistics if window else None)
     ctx.scaler.unscale_(ctx.optimizer)  # once per window, so clipping sees the true gradient
     grad_norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip or math.inf).item()
     loss = distributed.total(window_loss.item(), ctx.device) / world
@@ -132,50 +153,69 @@ def train_step(ctx: StepContext, window: list[dict], micro_batch: int | None = N
 
 @contextlib.contextmanager
 def window_norm_statistics(model: torch.nn.Module):
-    """Around a window's forward passes: each BatchNorm layer in training mode averages the
-    statistics of its micro-batches (momentum None is PyTorch's cumulative average), and on
-    exit takes one momentum step from its old running statistics toward that average over
-    all processes (one all-reduce). On an error the old statistics come back untouched."""
-    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    before = [(m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
-              for m in layers]
-    for layer in layers:
-        layer.momentum = None
-        layer.num_batches_tracked.zero_()
+    """Around a window's forward passes: each BatchNorm layer in training mode keeps only the
+    statistics of the micro-batch it last saw (momentum 1), which `WindowStatistics.add` sums
+    after each forward, outside the model; on exit each layer takes one momentum step from
+    its old running statistics toward their mean over all processes (one all-reduce). On an
+    error the old statistics come back untouched. Yields the WindowStatistics."""
+    statistics = WindowStatistics(model)
+    for layer in statistics.layers:
+        layer.momentum = 1.0  # a constant: `momentum=None` would put a Python float of a tensor in every layer
     try:
-        yield
+        yield statistics
     except BaseException:
-        for layer, (_, mean, var, count) in zip(layers, before):
-            layer.running_mean.copy_(mean), layer.running_var.copy_(var), layer.num_batches_tracked.copy_(count)
+        statistics.restore()
         raise
-    else:
-        if layers:
-            _step_running_statistics(layers, before)
-    finally:
-        for layer, (momentum, *_) in zip(layers, before):
+    statistics.step()
+
+
+class WindowStatistics:
+    """The BatchNorm statistics of one window: each layer's running statistics before it, and
+    the sums over the window's micro-batches of the statistics each one normalized with."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+        self.before = [(m.momentum, m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+                       for m in self.layers]
+        size = sum(2 * len(m.running_mean) for m in self.layers)
+        device = self.layers[0].running_mean.device if self.layers else None
+        self.sums = torch.zeros(size + 1, dtype=torch.float64, device=device)  # means, variances, micro-batches
+
+    def add(self) -> None:
+        """After a micro-batch's forward: add each layer's running mean and (unbiased) variance,
+        which momentum 1 made that micro-batch's own. Assumes each layer ran once in that forward
+        (as in every network model.py builds). Tensor operations only: nothing waits for the GPU."""
+        if self.layers:
+            self.sums[:-1] += torch.cat([s for m in self.layers for s in (m.running_mean, m.running_var)])
+            self.sums[-1] += 1
+
+    def restore(self) -> None:
+        """Every layer as before the window."""
+        with torch.no_grad():
+            for layer, (momentum, mean, var, count) in zip(self.layers, self.before):
+                layer.momentum = momentum
+                layer.running_mean.copy_(mean), layer.running_var.copy_(var), layer.num_batches_tracked.copy_(count)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Running statistics ← (1 - momentum) × old + momentum × (this window's mean over every
+        process's micro-batches); num_batches_tracked counts windows, and momentum None (a
+        cumulative average) weighs window k by 1 / k. In float64; no host sync."""
+        if not self.layers:
+            return
+        sums = distributed.summed(self.sums)
+        micro_batches, offset = sums[-1], 0
+        learned = micro_batches > 0  # else no process had an image: nothing to learn from
+        for layer, (momentum, mean, var, count) in zip(self.layers, self.before):
+            size = len(mean)
+            window = sums[offset : offset + 2 * size] / micro_batches
+            offset += 2 * size
+            factor = momentum if momentum is not None else 1 / (count.double() + 1)
+            old = torch.cat([mean, var]).double()
+            new = torch.where(learned, (1 - factor) * old + factor * window, old)
             layer.momentum = momentum
-
-
-@torch.no_grad()
-def _step_running_statistics(layers: list[_BatchNorm], before: list[tuple]) -> None:
-    """Running statistics ← (1 - momentum) × old + momentum × (this window's mean over every
-    process's micro-batches); num_batches_tracked counts windows. Sums travel in float64."""
-    sums = torch.cat([torch.cat([m.running_mean * m.num_batches_tracked, m.running_var * m.num_batches_tracked,
-                                 m.num_batches_tracked.view(1)]).double() for m in layers])
-    sums = distributed.summed(sums)
-    offset = 0
-    for layer, (momentum, mean, var, count) in zip(layers, before):
-        size = len(mean)
-        window_mean, window_var = sums[offset : offset + size], sums[offset + size : offset + 2 * size]
-        micro_batches = sums[offset + 2 * size]
-        offset += 2 * size + 1
-        if micro_batches == 0:  # no process had an image for this layer: nothing to learn from
-            layer.running_mean.copy_(mean), layer.running_var.copy_(var), layer.num_batches_tracked.copy_(count)
-            continue
-        factor = momentum if momentum is not None else 1 / (int(count) + 1)
-        layer.running_mean.copy_((1 - factor) * mean.double() + factor * window_mean / micro_batches)
-        layer.running_var.copy_((1 - factor) * var.double() + factor * window_var / micro_batches)
-        layer.num_batches_tracked.copy_(count + 1)
+            layer.running_mean.copy_(new[:size]), layer.running_var.copy_(new[size:])
+            layer.num_batches_tracked.copy_(count + learned.long())
 
 
 def resilient_step(ctx: StepContext, window: list[dict], micro_batch: int, window_images: int | None = None,

@@ -186,6 +186,10 @@ def _blocks(module: nn.Module):
 def _checkpointed(block: nn.Module, forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # torch.compile refuses a context_fn. Its recomputation writes the BatchNorm buffers
+        # again: harmless inside engine.window_norm_statistics, which sets them at the window's end.
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False,
                       context_fn=lambda: (contextlib.nullcontext(), norm_statistics_kept(block)), **kwargs)
 

@@ -29,11 +29,13 @@ from tqdm import tqdm
 
 from cloudseg import distributed
 from cloudseg.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from cloudseg.compiled import resolve_compile
 from cloudseg.config import Config, TrainConfig, dump
 from cloudseg.data import CloudDataset, EpochSampler, Problem, build_transform, fold_ids, make_loader, readable
 from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.engine import StepContext, StepResult, resilient_step, windows
 from cloudseg.files import atomic_path
+from cloudseg.flops import peak_seconds_per_image
 from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_usable_device, resolve_device,
                                resolve_precision, speed_switches)
 from cloudseg.loss import per_image_loss
@@ -103,6 +105,7 @@ class Run:
     board: SummaryWriter | None  # TensorBoard, rank 0 only
     micro_batch: int  # halved by an out-of-memory retry
     ema: AveragedModel | None = None  # train.ema: the averaged weights, validated and saved as the model
+    peak_seconds: float = math.nan  # one image's FLOPs at the GPUs' datasheet peak: images/s × this = MFU
     history: list[dict] = field(default_factory=list)  # one metrics row per finished epoch
 
 
@@ -155,9 +158,11 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
                                                  scheduler=scheduler, scaler=scaler)
     elif distributed.is_main():
         create_run_dir(run_dir, config, train_set.skipped)
-    step = StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight)
+    step = StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight,
+                       resolve_compile(config.train.compile, device))
     run = assemble(config, run_dir, step, scheduler, (train_set, valid_set))
     run.history, run.ema = history, averaged(model, config.train.ema)
+    run.peak_seconds = peak_seconds_per_image(config.model, train_set.image_size, device, distributed.world_size())
     if resume and run.ema is not None:
         restore_ema(saved, run_dir / "last.pt", model, run.ema)
     return run, start_epoch, progress
@@ -378,7 +383,7 @@ def end_epoch(run: Run, epoch: int, progress: Progress, validation: dict, rng: d
     """A finished epoch: its metrics row, its skipped samples, last.pt, and best.pt when its
     Dice is the best so far."""
     progress.skipped_samples = every_rank_skipped(progress.skipped_samples)
-    run.history.append(epoch_row(epoch, run.scheduler, progress, validation, run.step.device))
+    run.history.append(epoch_row(epoch, run.scheduler, progress, validation, run.step.device, run.peak_seconds))
     if not distributed.is_main():
         return
     report_skipped(progress.skipped_samples, epoch + 1, run.dir, f"unreadable samples in epoch {epoch + 1}")
@@ -427,12 +432,12 @@ def tune_run(run_dir: Path, probs8: np.ndarray, truth: np.ndarray, config: Confi
 # ---------------------------------------------------------------------------------- records
 
 
-def epoch_row(epoch: int, scheduler, progress: Progress, validation: dict, device) -> dict:
-    """The metrics.csv row of a finished epoch."""
-    losses = progress.losses
+def epoch_row(epoch: int, scheduler, progress: Progress, validation: dict, device, peak_seconds: float) -> dict:
+    """The metrics.csv row of a finished epoch; mfu is NaN on a CPU or a GPU flops.py does not know."""
+    losses, images_per_s = progress.losses, progress.images / max(progress.seconds, 1e-9)
     return {"epoch": epoch + 1, "step": scheduler.last_epoch, "lr": scheduler.get_last_lr()[0],
             "train_loss": float(np.mean(losses)) if losses else math.nan, **validation,
-            "images_per_s": progress.images / max(progress.seconds, 1e-9),
+            "images_per_s": images_per_s, "mfu": images_per_s * peak_seconds,
             "peak_memory_mb": peak_memory_mb(device), "skipped_windows": progress.skipped_windows,
             "skipped_samples": len(progress.skipped_samples)}
 

@@ -27,6 +27,7 @@ TINY_SHAPE = (64, 96)
 TINY = [
     "data.num_workers=0", "data.n_folds=3", "model.decoder_channels=[16,8,8,8,8]",
     "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1", "train.device=cpu",
+    "train.compile=false",  # on a CUDA machine auto would compile every test's run; tests/test_compile.py asks for it
 ]
 
 
@@ -96,3 +97,19 @@ def signal_during(model, call, signum, training=True):
 def assert_same_parameters(a, b, tol=1e-12):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=tol, rtol=0), f"{name} differs by {(p - q).abs().max():.3g}"
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """train.compile's graphs without code generation (torch.compile's aot_eager backend: the
+    same graph capture and AOTAutograd, eager kernels), from a clean torch._dynamo state whose
+    counters the test can read."""
+    from torch._dynamo.utils import counters
+
+    from cloudseg import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()

@@ -47,21 +47,30 @@ def model_and_sgd(seed=0, dtype=torch.float64):
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-def one_step(micro_batch, n_images, accumulation, grad_clip=None):
+def one_step(micro_batch, n_images, accumulation, grad_clip=None, compile=False):
     model, optimizer = model_and_sgd()
     loader = DataLoader(Images(n_images), batch_size=micro_batch, shuffle=False)
     (window,) = list(windows(loader, accumulation))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(StepContext(model, optimizer, scaler, CPU, None, grad_clip, dice_weight=1.0), window)
+    train_step(StepContext(model, optimizer, scaler, CPU, None, grad_clip, dice_weight=1.0, compile=compile), window)
     return model
 
 
-def test_four_micro_batches_of_two_equal_one_batch_of_eight():
-    assert_same_parameters(one_step(2, 8, accumulation=4), one_step(8, 8, accumulation=1))
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compile(request):
+    """Each accumulated step eager and under train.compile (the big batch it must equal: eager)."""
+    if request.param:
+        request.getfixturevalue("aot_eager")
+    return request.param
 
 
-def test_uneven_window_2_2_1_equals_one_batch_of_five():
-    assert_same_parameters(one_step(2, 5, accumulation=3), one_step(5, 5, accumulation=1))
+def test_four_micro_batches_of_two_equal_one_batch_of_eight(compile):
+    assert_same_parameters(one_step(2, 8, accumulation=4, compile=compile), one_step(8, 8, accumulation=1))
+
+
+def test_uneven_window_2_2_1_equals_one_batch_of_five(compile):
+    """Compiled, the short micro-batch is a second graph (one per shape)."""
+    assert_same_parameters(one_step(2, 5, accumulation=3, compile=compile), one_step(5, 5, accumulation=1))
 
 
 def test_the_test_can_fail_loss_over_accumulation_steps_is_not_the_big_batch():
@@ -74,8 +83,8 @@ def test_the_test_can_fail_loss_over_accumulation_steps_is_not_the_big_batch():
         assert_same_parameters(model, one_step(5, 5, accumulation=1))
 
 
-def test_clipping_applies_to_the_window_gradient():
-    assert_same_parameters(one_step(2, 5, 3, grad_clip=0.05), one_step(5, 5, 1, grad_clip=0.05))
+def test_clipping_applies_to_the_window_gradient(compile):
+    assert_same_parameters(one_step(2, 5, 3, grad_clip=0.05, compile=compile), one_step(5, 5, 1, grad_clip=0.05))
 
 
 def test_short_last_window_is_its_own_step_and_the_next_epoch_starts_fresh():

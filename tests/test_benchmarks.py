@@ -14,15 +14,34 @@ def run(*args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=True).stdout
 
 
+TRAIN_SPEED = ["benchmarks/train_speed.py", "--height", "64", "--width", "96", "--encoder", "resnet18",
+               "--micro-batch", "2", "--effective-batch", "4", "--steps", "1", "--warmup", "1",
+               "--loader-size", "64", "96", "--loader-images", "2"]
+ROWS = ("a. textbook loop", "b. Lightning at its defaults", "c. Lightning careful", "d. cloudseg eager, fp32",
+        "e. cloudseg compiled, fp32", "f. cloudseg eager, fp32, checkpointing=encoder",
+        "f. cloudseg eager, fp32, checkpointing=full", "g. cloudseg compiled, fp32, checkpointing=encoder",
+        "g. cloudseg compiled, fp32, checkpointing=full")
+
+
 def test_training_benchmark_prints_its_table(tmp_path):
-    out = run("benchmarks/train_speed.py", "--height", "64", "--width", "96", "--encoder", "resnet18",
-              "--micro-batch", "2", "--effective-batch", "4", "--steps", "1", "--warmup", "1",
-              "--loader-size", "64", "96", "--loader-images", "2", "--json", str(tmp_path / "b.json"))
-    for row in ("a. textbook loop", "b. cloudseg default", "c. cloudseg checkpointing=full", "d. Lightning"):
-        assert row in out
-    assert "e. data loading:" in out and "4-flip TTA" in out and "3698 test images" in out
+    out = run(*TRAIN_SPEED, "--no-compiled", "--profile", "--json", str(tmp_path / "b.json"))
+    for row in ROWS:
+        assert f"| {row}" in out
+    assert "| e. cloudseg compiled, fp32 | skipped |" in out  # --no-compiled
+    assert "data loading:" in out and "4-flip TTA" in out and "3698 test images" in out
+    assert "MFU:" in out and "targets" in out and "checkpointing=full, eager: time per image" in out
+    assert "batch-norm backend in training: fp32 " in out and "all batch-norm ops" in out
     figures = json.loads((tmp_path / "b.json").read_text())
     assert figures["rows"]["a. textbook loop (fp32)"][0] > 0 and figures["loader_samples_per_s_per_core"] > 0
+    assert figures["flops_per_image"] > 0 and figures["profiles"]["fp32"]["batch_norm_ms_per_image"] > 0
+
+
+@pytest.mark.slow  # three compiles of a resnet18 UNet, even with aot_eager: minutes on 2 cores
+def test_training_benchmark_runs_its_compiled_rows():
+    out = run(*TRAIN_SPEED, "--compiled", "--backend", "aot_eager", "--no-profile")
+    for row in ROWS[4:]:
+        assert f"| {row} | skipped" not in out and f"| {row} |" in out
+    assert "compiled (aot_eager), fp32, checkpointing=full: first window" in out
 
 
 def test_rle_benchmark_prints_its_table():

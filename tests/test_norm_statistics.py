@@ -5,53 +5,60 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from cloudseg import engine
+from cloudseg.compiled import graph_counts
 from cloudseg.engine import StepContext, train_step, windows
 from tests.test_accumulation import CPU, Images
 
 
 class NormNet(nn.Module):
-    """uint8 images -> logits, with a BatchNorm whose input the test can see."""
+    """uint8 images -> logits, with a BatchNorm whose input the test can compute (`norm_input`)."""
 
     def __init__(self, momentum=0.1):
         super().__init__()
         self.conv = nn.Conv2d(3, 5, 3, padding=1)
         self.norm = nn.BatchNorm2d(5, momentum=momentum)
         self.head = nn.Conv2d(5, 4, 1)
-        self.seen = []  # the BatchNorm's input of each training forward
+
+    def norm_input(self, images):
+        return self.conv(images.to(torch.float64) / 255)
 
     def forward(self, images):
-        x = self.conv(images.to(torch.float64) / 255)
-        if self.training:
-            self.seen.append(x.detach().clone())
-        return self.head(torch.relu(self.norm(x)))
+        return self.head(torch.relu(self.norm(self.norm_input(images))))
 
 
-def step_once(net, micro_batch, accumulation, n_images=8):
+def step_once(net, micro_batch, accumulation, n_images=8, compile=False):
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    ctx = StepContext(net, optimizer, torch.amp.GradScaler("cpu", enabled=False), CPU)
+    ctx = StepContext(net, optimizer, torch.amp.GradScaler("cpu", enabled=False), CPU, compile=compile)
     (window,) = list(windows(DataLoader(Images(n_images), batch_size=micro_batch), accumulation))
     train_step(ctx, window)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_one_update_per_window_toward_the_mean_of_the_micro_batch_statistics(momentum):
+def test_one_update_per_window_toward_the_mean_of_the_micro_batch_statistics(momentum, compile, request):
     """Would catch: PyTorch's default of one update per micro-batch (four here), a mean over
-    the window's images instead of its micro-batches for the variance, and a count that
-    grows per micro-batch."""
+    the window's images instead of its micro-batches for the variance, a count that grows per
+    micro-batch, and (compiled) statistics summed inside the graph, or from the wrong micro-batch."""
+    if compile:
+        request.getfixturevalue("aot_eager")
     torch.manual_seed(0)
     net = NormNet(momentum).double().train()
     net.norm.running_mean.uniform_(-1, 1), net.norm.running_var.uniform_(0.5, 2)
     net.norm.num_batches_tracked.fill_(3)
     old_mean, old_var = net.norm.running_mean.clone(), net.norm.running_var.clone()
-    step_once(net, micro_batch=2, accumulation=4)
-    assert len(net.seen) == 4
-    batch_means = torch.stack([x.mean((0, 2, 3)) for x in net.seen])
-    batch_vars = torch.stack([x.transpose(0, 1).flatten(1).var(1, unbiased=True) for x in net.seen])
+    with torch.no_grad():  # what the BatchNorm will see: the weights change only at the step
+        seen = [net.norm_input(batch["image"]) for batch in DataLoader(Images(8), batch_size=2)]
+    step_once(net, micro_batch=2, accumulation=4, compile=compile)
+    batch_means = torch.stack([x.mean((0, 2, 3)) for x in seen])
+    batch_vars = torch.stack([x.transpose(0, 1).flatten(1).var(1, unbiased=True) for x in seen])
     factor = 0.1 if momentum is not None else 1 / 4  # cumulative average: the 4th update
     torch.testing.assert_close(net.norm.running_mean, (1 - factor) * old_mean + factor * batch_means.mean(0))
     torch.testing.assert_close(net.norm.running_var, (1 - factor) * old_var + factor * batch_vars.mean(0))
     assert int(net.norm.num_batches_tracked) == 4
     assert net.norm.momentum == momentum  # restored after the window
+    if compile:
+        assert graph_counts() == (1, 0)  # one graph, no graph break
 
 
 def test_the_test_can_fail_pytorchs_per_micro_batch_updates_differ():
@@ -78,22 +85,27 @@ def test_frozen_layers_and_evaluation_mode_are_left_alone():
         assert torch.equal(value, before[key]), key
 
 
-def test_an_error_inside_the_window_restores_the_old_statistics():
-    """Would catch: a failed window (out of memory) leaving the reset cumulative state behind."""
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_an_error_inside_the_window_restores_the_old_statistics(compile, monkeypatch, request):
+    """Would catch: a failed window (out of memory) leaving the first micro-batch's statistics
+    or the window's momentum of 1 behind, eager or compiled."""
+    if compile:
+        request.getfixturevalue("aot_eager")
     torch.manual_seed(0)
     net = NormNet().double().train()
     before = {k: v.clone() for k, v in net.norm.state_dict().items()}
-    forward, calls = net.forward, []
+    calls = []
 
-    def fail_second(images):
-        calls.append(1)
+    def fail_second(batch, device):  # outside the compiled graph, after the first micro-batch ran
+        calls.append(torch.equal(net.norm.running_mean, before["running_mean"]))
         if len(calls) == 2:
             raise torch.cuda.OutOfMemoryError("simulated")
-        return forward(images)
+        return batch
 
-    net.forward = fail_second
+    monkeypatch.setattr(engine, "decode_batch", fail_second)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        step_once(net, micro_batch=2, accumulation=2, n_images=4)
+        step_once(net, micro_batch=2, accumulation=2, n_images=4, compile=compile)
+    assert calls == [True, False]  # the first micro-batch did change the statistics
     for key, value in net.norm.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert net.norm.momentum == 0.1

@@ -1,0 +1,67 @@
+"""`train.compile`: the accumulated step's forward and loss under torch.compile.
+
+Data path: train.csv → Dataset → loader → **model → loss, compiled** → accumulated step →
+checkpoint → probabilities at 350×525 → post-process → submission.
+
+Only training compiles: one graph per micro-batch shape (`dynamic=False`), the forward with
+its loss, and AOTAutograd's backward. A new shape (the short last window of an epoch, or the
+out-of-memory retry's halved micro-batch) compiles a new graph once. Validation, out-of-fold
+and test prediction run the same model eagerly (in eval mode, at other batch sizes, they
+would each be another graph to wait for). engine.window_norm_statistics keeps BatchNorm
+free of the Python float that would otherwise break the graph in every layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import time
+
+import torch
+from torch._dynamo.utils import counters
+
+log = logging.getLogger("cloudseg")
+
+BACKEND = "inductor"  # torch.compile's default; tests swap in "aot_eager" (the same graphs, no code generation)
+
+
+def resolve_compile(setting: bool | str, device: torch.device) -> bool:
+    """`train.compile`: auto compiles on CUDA where Triton is installed, which inductor writes
+    GPU kernels in (PyTorch's Linux wheels bring it; Windows ones do not). On a CPU the compile
+    costs more than it saves."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        log.info("train.compile=auto: not compiling, Triton is not installed (torch.compile needs it on a GPU)")
+        return False
+    return device.type == "cuda"
+
+
+def compiled(function):
+    """`function` under torch.compile with one graph per input shape."""
+    return torch.compile(function, backend=BACKEND, dynamic=False)
+
+
+def graph_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks met) in this process so far, from torch._dynamo's counters."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@contextlib.contextmanager
+def compile_logged(compiling: bool, shape: torch.Size, world: int = 1):
+    """Around a window: when it compiled anything (its first, or a new micro-batch `shape`), log
+    the graphs, the graph breaks and the window's time, compiling included. A graph break is a
+    warning on one process; on several, DDP's own hooks break the graph by design."""
+    if not compiling:
+        yield
+        return
+    (graphs, breaks), reasons, start = graph_counts(), set(counters["graph_break"]), time.perf_counter()
+    yield
+    new_graphs, new_breaks = graph_counts()[0] - graphs, graph_counts()[1] - breaks
+    if new_graphs:
+        log.info("torch.compile: micro-batches of shape %s: %d graph(s) compiled, %d graph break(s); "
+                 "the window took %.1f s with compiling", list(shape), new_graphs, new_breaks, time.perf_counter() - start)
+    if new_breaks and world == 1:
+        log.warning("torch.compile: graph breaks in the training step (each costs speed): %s",
+                    "; ".join(reason.splitlines()[0] for reason in set(counters["graph_break"]) - reasons) or "as before")
