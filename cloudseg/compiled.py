@@ -50,9 +50,10 @@ def graph_counts() -> tuple[int, int]:
 
 @contextlib.contextmanager
 def compile_logged(compiling: bool, shape: torch.Size, world: int = 1):
-    """Around a window: when it compiled anything (its first, or a new micro-batch `shape`), log
-    the graphs, the graph breaks and the window's time, compiling included. A graph break is a
-    warning on one process; on several, DDP's own hooks break the graph by design."""
+    """Around a micro-batch's forward and backward: when it compiled anything (the first, or a
+    new micro-batch `shape`), log the graphs, the graph breaks and its time, compiling
+    included. A graph break is a warning on one process; on several, DDP's own hooks break the
+    graph by design."""
     if not compiling:
         yield
         return
@@ -61,7 +62,7 @@ def compile_logged(compiling: bool, shape: torch.Size, world: int = 1):
     new_graphs, new_breaks = graph_counts()[0] - graphs, graph_counts()[1] - breaks
     if new_graphs:
         log.info("torch.compile: micro-batches of shape %s: %d graph(s) compiled, %d graph break(s); "
-                 "the window took %.1f s with compiling", list(shape), new_graphs, new_breaks, time.perf_counter() - start)
+                 "the micro-batch took %.1f s with compiling", list(shape), new_graphs, new_breaks, time.perf_counter() - start)
     if new_breaks and world == 1:
         log.warning("torch.compile: graph breaks in the training step (each costs speed): %s",
                     "; ".join(reason.splitlines()[0] for reason in set(counters["graph_break"]) - reasons) or "as before")

@@ -107,11 +107,13 @@ def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, 
             batch = decode_batch(batch, ctx.device)
             images = batch["image"].to(ctx.device, non_blocking=True)
             masks = batch["mask"].to(ctx.device, non_blocking=True)
-            losses = ctx.losses(ctx.model, images, masks, ctx.dtype, ctx.dice_weight)
-            if statistics is not None:
-                statistics.add()  # outside the compiled graph
-            loss = losses.sum() * weight / window_images
-            ctx.scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
+            # The shape is known only once decoded: in gpu mode the worker sends JPEG bytes.
+            with compile_logged(ctx.compile, images.shape, distributed.world_size()):
+                losses = ctx.losses(ctx.model, images, masks, ctx.dtype, ctx.dice_weight)
+                if statistics is not None:
+                    statistics.add()  # outside the compiled graph
+                loss = losses.sum() * weight / window_images
+                ctx.scaler.scale(loss).backward()  # fp16: the scale is constant inside the window
         window_loss += loss.detach()
     return window_loss
 
@@ -131,8 +133,7 @@ def train_step(ctx: StepContext, window: list[dict], micro_batch: int | None = N
     micro_batches = split(window, micro_batch) or [blank]
     # DDP averages the ranks' gradients: scaling by `world` makes that average the window's sum.
     # The blank batch's BatchNorm statistics are not gathered.
-    with compile_logged(ctx.compile, micro_batches[0]["image"].shape, world), \
-            window_norm_statistics(ctx.model) as statistics:
+    with window_norm_statistics(ctx.model) as statistics:
         window_loss = accumulate(ctx, micro_batches, window_images, world if window else 0,
                                  statistics if window else None)
     ctx.scaler.unscale_(ctx.optimizer)  # once per window, so clipping sees the true gradient
