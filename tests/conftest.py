@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 TINY_SHAPE = (64, 96)
 
 TINY = [  # a training run in seconds on the tiny dataset: 16 train and 8 validation images
-    "data.num_workers=0", "data.n_folds=3", "model.decoder_channels=[16,8,8,8,8]",
+    "data.num_workers=0", "data.n_folds=3", "model.arch=unet", "model.decoder_channels=[16,8,8,8,8]",
     "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1",
 ]
 

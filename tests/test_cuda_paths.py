@@ -18,7 +18,7 @@ GiB = 2**30
 
 @pytest.fixture
 def tiny_model():
-    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]"])
+    config = load_config("configs/demo.yaml", ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]"])
     torch.manual_seed(0)
     return build_model(config.model, pretrained=False).train(), config
 
@@ -111,8 +111,8 @@ def test_limit_gb_caps_the_process_and_reports_every_precision_and_mode(monkeypa
     """`cloudseg memory --limit-gb` with the CUDA calls faked and a model that runs out of
     memory above one image. Would catch: a cap computed against something other than the
     card's total, a precision or checkpointing mode left out, and a retry that is not run."""
-    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]", "data.image_size=[64,96]",
-                                               "train.effective_batch=4"])
+    config = load_config("configs/demo.yaml", ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]",
+                                               "data.image_size=[64,96]", "train.effective_batch=4"])
     fractions = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 80e9}))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
