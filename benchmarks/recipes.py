@@ -33,13 +33,16 @@ from cloudseg.train import averaged
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from robustness import DEMO_CONFIG, cloudseg, empty_folder, machine  # noqa: E402
 
-# name: config overrides. FPN's decoder has two widths (pyramid, segmentation head); the EMA
-# decay suits a run of ~80 optimizer steps (0.99 would still hold half the random start).
+# name: config overrides. Each names its arch and widths (configs/demo.yaml is an FPN since
+# this comparison was first made): FPN's decoder has two widths (pyramid, segmentation head),
+# the UNets' one per stage. The EMA decay suits a run of ~80 optimizer steps (0.99 would still
+# hold half the random start).
+UNET_WIDTHS = "model.decoder_channels=[128,64,32,16,8]"
 OPTIONS = {
-    "unet": [],
-    "ema": ["train.ema=0.9"],
+    "unet": ["model.arch=unet", UNET_WIDTHS],
+    "ema": ["model.arch=unet", UNET_WIDTHS, "train.ema=0.9"],
     "fpn": ["model.arch=fpn", "model.decoder_channels=[128,64]"],
-    "unetplusplus": ["model.arch=unetplusplus"],
+    "unetplusplus": ["model.arch=unetplusplus", UNET_WIDTHS],
 }
 TIMED_ROUNDS = 6  # interleaved training steps per option, after one untimed warm-up round
 
