@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,15 +32,18 @@ from cloudseg.synth import TEST_SOLUTION_CSV, synthesize
 from cloudseg.train import averaged
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from robustness import DEMO_CONFIG, cloudseg  # noqa: E402
+from robustness import DEMO_CONFIG, cloudseg, empty_folder, machine  # noqa: E402
 
-# name: config overrides. FPN's decoder has two widths (pyramid, segmentation head); the EMA
-# decay suits a run of ~80 optimizer steps (0.99 would still hold half the random start).
+# name: config overrides. Each names its arch and widths (configs/demo.yaml is an FPN since
+# this comparison was first made): FPN's decoder has two widths (pyramid, segmentation head),
+# the UNets' one per stage. The EMA decay suits a run of ~80 optimizer steps (0.99 would still
+# hold half the random start).
+UNET_WIDTHS = "model.decoder_channels=[128,64,32,16,8]"
 OPTIONS = {
-    "unet": [],
-    "ema": ["train.ema=0.9"],
+    "unet": ["model.arch=unet", UNET_WIDTHS],
+    "ema": ["model.arch=unet", UNET_WIDTHS, "train.ema=0.9"],
     "fpn": ["model.arch=fpn", "model.decoder_channels=[128,64]"],
-    "unetplusplus": ["model.arch=unetplusplus"],
+    "unetplusplus": ["model.arch=unetplusplus", UNET_WIDTHS],
 }
 TIMED_ROUNDS = 6  # interleaved training steps per option, after one untimed warm-up round
 
@@ -116,13 +117,9 @@ def main(argv=None) -> None:
     names = [name.strip() for name in args.options.split(",") if name.strip()]
     if unknown := [name for name in names if name not in OPTIONS]:
         parser.error(f"unknown option(s) {', '.join(unknown)}; expected some of {', '.join(OPTIONS)}")
-    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="cloudseg-recipes-"))
-    root.mkdir(parents=True, exist_ok=True)
-    if any(root.iterdir()):
-        parser.error(f"{root} is not empty; pick a new --out")
+    root = empty_folder(args.out, "cloudseg-recipes-")
     print(f"{args.epochs} epochs of configs/demo.yaml on cloudseg synth ({args.n_train} train, {args.n_test} test, "
-          f"{args.size[0]}x{args.size[1]}); {platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), "
-          f"load {os.getloadavg()[0]:.1f}; runs in {root}", flush=True)
+          f"{args.size[0]}x{args.size[1]}); {machine()}; runs in {root}", flush=True)
     data = synthesize(root / "data", n_train=args.n_train, n_test=args.n_test, height=args.size[0],
                       width=args.size[1], seed=0)
     results = []

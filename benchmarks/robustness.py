@@ -47,16 +47,31 @@ MARKER = ".robustness"  # marks a variant folder this script wrote, which a reru
 COLUMNS = ("all-empty", "untuned", "default", "explicit tune")
 
 
-def cloudseg(*args: str, log: Path) -> None:
-    """Run `python -m cloudseg ARGS` as a user would; its output goes to `log`; a failure says where."""
+def cloudseg(*args: str, log: Path, env: dict[str, str] | None = None) -> None:
+    """Run `python -m cloudseg ARGS` as a user would (`env`: variables set on top of ours); its output
+    goes to `log`; a failure says where."""
     with open(log, "a") as out:
-        out.write(f"$ cloudseg {' '.join(args)}\n")
+        out.write(f"$ {''.join(f'{k}={v} ' for k, v in (env or {}).items())}cloudseg {' '.join(args)}\n")
         out.flush()
         done = subprocess.run([sys.executable, "-m", "cloudseg", *args], stdout=out, stderr=subprocess.STDOUT,
-                              cwd=REPO)
+                              cwd=REPO, env={**os.environ, **(env or {})})
     if done.returncode:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
         raise RuntimeError(f"cloudseg {args[0]} exited with {done.returncode}; see {log}:\n{tail}")
+
+
+def machine() -> str:
+    """The machine line of a benchmark's header: processor, cores, and the load now (the CPU is shared)."""
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), load {os.getloadavg()[0]:.1f}"
+
+
+def empty_folder(out: str | None, prefix: str) -> Path:
+    """`out` (made when missing) or a new folder under /tmp; one with anything in it is refused."""
+    root = Path(out) if out else Path(tempfile.mkdtemp(prefix=prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    if any(root.iterdir()):
+        raise SystemExit(f"{root} is not empty; pick a new --out")
+    return root
 
 
 def fresh_folder(folder: Path) -> Path:
@@ -171,8 +186,7 @@ def main(argv=None) -> None:
     print(f"robustness of `train -c configs/demo.yaml train.epochs={args.epochs}` + `predict`: "
           f"{args.n_train} train / {args.n_test} test images per variant, seed offset {args.seed_offset} "
           f"{' '.join(args.set)}\n"
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), load {os.getloadavg()[0]:.1f}; "
-          f"data and runs in {root}", flush=True)
+          f"{machine()}; data and runs in {root}", flush=True)
     results = []
     for name in args.variants:
         variant = replace(VARIANTS[name], seed=VARIANTS[name].seed + args.seed_offset)

@@ -25,7 +25,7 @@ TINY_SHAPE = (64, 96)
 # whatever the machine: the tests built on it compare runs bit for bit (resume, out-of-memory
 # retry, EMA), which only the CPU promises by default; tests/test_gpu.py adds train.device=cuda.
 TINY = [
-    "data.num_workers=0", "data.n_folds=3", "model.decoder_channels=[16,8,8,8,8]",
+    "data.num_workers=0", "data.n_folds=3", "model.arch=unet", "model.decoder_channels=[16,8,8,8,8]",
     "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1", "train.device=cpu",
     "train.compile=false",  # on a CUDA machine auto would compile every test's run; tests/test_compile.py asks for it
 ]

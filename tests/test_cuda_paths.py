@@ -25,7 +25,8 @@ MEASURED_ON_THE_H100 = {"none": 9.70 * GiB, "encoder": 7.72 * GiB, "full": 5.91 
 
 @pytest.fixture
 def tiny_model():
-    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]", "train.device=cpu"])
+    config = load_config("configs/demo.yaml", ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]",
+                                               "train.device=cpu"])
     torch.manual_seed(0)
     return build_model(config.model, pretrained=False).train(), config
 
@@ -249,7 +250,8 @@ def test_memory_limit_gb_caps_the_gpu_it_names_and_reports_every_precision_and_m
 def test_capped_steps_retry_down_to_what_fits_and_read_the_peak_of_two_steps(monkeypatch):
     """On the CPU, a model that runs out of memory above one image. Would catch: a retry that is
     not run (nothing trained), the peak read around one step only, and micro_batch auto not asked."""
-    config = load_config("configs/demo.yaml", ["model.decoder_channels=[16,8,8,8,8]", "train.effective_batch=4",
+    config = load_config("configs/demo.yaml", ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]",
+                                               "train.effective_batch=4",
                                                "train.micro_batch=auto", "train.checkpointing=none"])
     real_build, forwards = memory.build_model, []
 

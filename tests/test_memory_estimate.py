@@ -86,7 +86,8 @@ def test_checkpointing_modes_now_save_what_they_promise(fullres_estimate):
 def test_bf16_halves_the_activations_but_not_the_fp32_loss():
     """Would catch: autocast not applied (ratio 1), or every tensor halved, the loss's float32
     logits and masks included (ratio 0.5, what the old estimate assumed)."""
-    config = load_config("configs/demo.yaml", ["model.encoder=resnet18", "model.decoder_channels=[64,32,16,16,16]"])
+    config = load_config("configs/demo.yaml", ["model.arch=unet", "model.encoder=resnet18",
+                                               "model.decoder_channels=[64,32,16,16,16]"])
 
     def per_image(dtype):
         peaks = [estimated_peak(prepare_for_training(build_model(config.model, pretrained=False).train(), True, "none"),

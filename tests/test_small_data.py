@@ -9,8 +9,8 @@ from cloudseg.data import read_train_csv
 from cloudseg.synth import synthesize
 from cloudseg.task import FOLDS_CSV
 
-SMALL_MODEL = ["model.decoder_channels=[16,8,8,8,8]", "train.micro_batch=2", "train.effective_batch=4",
-               "train.warmup_steps=1"]
+SMALL_MODEL = ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]", "train.micro_batch=2",
+               "train.effective_batch=4", "train.warmup_steps=1"]
 
 
 @pytest.mark.parametrize("n_images", [12, 24])
