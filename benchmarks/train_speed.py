@@ -10,7 +10,8 @@
   Then the targets (compiled against careful Lightning, checkpointing's cost, fp16 against bf16),
   which batch-norm backend PyTorch picks per precision, and with --profile the time per op of
   one eager window in each precision. Also data loading per CPU core, and inference with
-  4-flip TTA projected to Kaggle's 3,698 test images.
+  4-flip TTA (eager, and compiled as predict.compile compiles it) projected to Kaggle's 3,698
+  test images.
 
 MFU: images/s × FLOPs per image (cloudseg.flops: forward + backward, counted on meta tensors)
 over the GPU's datasheet dense 16-bit peak; n/a on a CPU or a GPU cloudseg.flops does not list.
@@ -72,11 +73,12 @@ def main() -> None:
     profiles = {p: op_profile(config, batches, args, device, p) for p in args.precisions} if args.profile else {}
     loader_rate = loading_rate(args)
     print(f"\ndata loading: {loader_rate:.1f} samples/s per CPU core at {args.loader_size[0]}x{args.loader_size[1]}")
-    inference_rate = timed(device, lambda: inference(config, batches, args, device))
-    if inference_rate:
-        projected = KAGGLE_TEST_IMAGES / inference_rate[0]
-        print(f"inference, 4-flip TTA: {inference_rate[0]:.2f} images/s, peak {inference_rate[1]:.2f} GiB; "
-              f"{KAGGLE_TEST_IMAGES} test images in {projected / 60:.1f} min (model time only)")
+    inference_rate = {STEP[compile]: timed(device, lambda compile=compile: inference(config, batches, args, device,
+                                                                                    compile))
+                      for compile in (False, True) if args.compiled or not compile}
+    for step, rate in inference_rate.items():
+        print(f"inference, 4-flip TTA, {step}: {rate[0]:.2f} images/s, peak {rate[1]:.2f} GiB; "
+              f"{KAGGLE_TEST_IMAGES} test images in {KAGGLE_TEST_IMAGES / rate[0] / 60:.1f} min (model time only)")
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"device": device_name(device), "torch": torch.__version__, "args": vars(args),
@@ -282,14 +284,18 @@ def op_profile(config, batches, args, device, precision) -> dict[str, float]:
     return {"batch_norm_ms_per_image": batch_norm, "top_ms_per_image": top}
 
 
-def inference(config, batches, args, device):
-    model = build_model(config.model, pretrained=False).to(device).eval()  # as predict.load_model builds it
+def inference(config, batches, args, device, compile):
+    """As cloudseg predict runs the model: in its training memory format, eval mode, compiled
+    where predict.compile says so (the first batch compiles, untimed)."""
+    model = build_model(config.model, pretrained=False)
+    model = prepare_for_training(model, config.train.channels_last, "none").to(device).eval()
+    forward = compiled.compiled(model) if compile else model
     dtype = autocast_dtype(config.train.precision, device)
-    predict_probs(model, batches[0]["image"], dtype, tta="d4-lite")
+    predict_probs(forward, batches[0]["image"], dtype, tta="d4-lite")
     synchronize(device)
     start, images = time.perf_counter(), 0
     for batch in batches[: max(2, args.steps)]:
-        predict_probs(model, batch["image"], dtype, tta="d4-lite")
+        predict_probs(forward, batch["image"], dtype, tta="d4-lite")
         images += len(batch["image"])
     synchronize(device)
     return images, time.perf_counter() - start

@@ -1,14 +1,15 @@
-"""`train.compile`: the accumulated step's forward and loss under torch.compile.
+"""`train.compile` and `predict.compile`: the model under torch.compile.
 
 Data path: train.csv → Dataset → loader → **model → loss, compiled** → accumulated step →
-checkpoint → probabilities at 350×525 → post-process → submission.
+checkpoint → **probabilities, compiled** → post-process → submission.
 
-Only training compiles: one graph per micro-batch shape (`dynamic=False`), the forward with
-its loss, and AOTAutograd's backward. A new shape (the short last window of an epoch, or the
-out-of-memory retry's halved micro-batch) compiles a new graph once. Validation, out-of-fold
-and test prediction run the same model eagerly (in eval mode, at other batch sizes, they
-would each be another graph to wait for). engine.window_norm_statistics keeps BatchNorm
-free of the Python float that would otherwise break the graph in every layer.
+Training compiles each micro-batch's forward with its loss, and AOTAutograd's backward: one
+graph per micro-batch shape (`dynamic=False`). A new shape (the short last window of an epoch,
+or the out-of-memory retry's halved micro-batch) compiles a new graph once. Test prediction
+compiles the model's forward in eval mode, one graph for every batch (predict pads the short
+last one). Validation and out-of-fold prediction run eagerly: at their own batch sizes they
+would each be another graph to wait for, for a few hundred images. engine.window_norm_statistics
+keeps BatchNorm free of the Python float that would otherwise break the graph in every layer.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ log = logging.getLogger("cloudseg")
 BACKEND = "inductor"  # torch.compile's default; tests swap in "aot_eager" (the same graphs, no code generation)
 
 
-def resolve_compile(setting: bool | str, device: torch.device) -> bool:
-    """`train.compile`: auto compiles on CUDA where Triton is installed, which inductor writes
-    GPU kernels in (PyTorch's Linux wheels bring it; Windows ones do not). On a CPU the compile
-    costs more than it saves."""
+def resolve_compile(setting: bool | str, device: torch.device, key: str = "train.compile") -> bool:
+    """`train.compile` or `predict.compile` (`key`): auto compiles on CUDA where Triton is
+    installed, which inductor writes GPU kernels in (PyTorch's Linux wheels bring it; Windows
+    ones do not). On a CPU the compile costs more than it saves."""
     if setting != "auto":
         return bool(setting)
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        log.info("train.compile=auto: not compiling, Triton is not installed (torch.compile needs it on a GPU)")
+        log.info("%s=auto: not compiling, Triton is not installed (torch.compile needs it on a GPU)", key)
         return False
     return device.type == "cuda"
 
@@ -49,11 +50,11 @@ def graph_counts() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def compile_logged(compiling: bool, shape: torch.Size, world: int = 1):
-    """Around a micro-batch's forward and backward: when it compiled anything (the first, or a
-    new micro-batch `shape`), log the graphs, the graph breaks and its time, compiling
-    included. A graph break is a warning on one process; on several, DDP's own hooks break the
-    graph by design."""
+def compile_logged(compiling: bool, shape: torch.Size, world: int = 1, what: str = "micro-batches"):
+    """Around a micro-batch's forward and backward (or a prediction batch's, `what`): when it
+    compiled anything (the first, or a new `shape`), log the graphs, the graph breaks and its
+    time, compiling included. A graph break is a warning on one process; on several, DDP's own
+    hooks break the graph by design."""
     if not compiling:
         yield
         return
@@ -61,8 +62,8 @@ def compile_logged(compiling: bool, shape: torch.Size, world: int = 1):
     yield
     new_graphs, new_breaks = graph_counts()[0] - graphs, graph_counts()[1] - breaks
     if new_graphs:
-        log.info("torch.compile: micro-batches of shape %s: %d graph(s) compiled, %d graph break(s); "
-                 "the micro-batch took %.1f s with compiling", list(shape), new_graphs, new_breaks, time.perf_counter() - start)
+        log.info("torch.compile: %s of shape %s: %d graph(s) compiled, %d graph break(s); it took %.1f s with "
+                 "compiling", what, list(shape), new_graphs, new_breaks, time.perf_counter() - start)
     if new_breaks and world == 1:
-        log.warning("torch.compile: graph breaks in the training step (each costs speed): %s",
+        log.warning("torch.compile: graph breaks in the %s (each costs speed): %s", what,
                     "; ".join(reason.splitlines()[0] for reason in set(counters["graph_break"]) - reasons) or "as before")

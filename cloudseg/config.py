@@ -165,6 +165,10 @@ class PredictConfig(Section):
     tta: Literal["none", "hflip", "hvflip", "d4-lite"] = Field(
         "none", description="flip test-time augmentation (validation too): d4-lite = identity, h, v and hv flips"
     )
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the model for test prediction (one graph: the short last batch is padded); "
+        "auto = on with CUDA (where Triton is installed)"
+    )
 
     @field_validator("threshold", "min_area", "gate", mode="before")
     @classmethod

@@ -18,13 +18,14 @@ from tqdm import tqdm
 
 from cloudseg import rle
 from cloudseg.checkpoint import load_checkpoint
+from cloudseg.compiled import compile_logged, compiled, resolve_compile
 from cloudseg.config import Config, PredictConfig, apply_overrides, from_dict
 from cloudseg.data import CloudDataset, make_loader, test_image_ids
 from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
-from cloudseg.model import CloudNet, build_model
+from cloudseg.model import CloudNet, build_model, prepare_for_training
 from cloudseg.postprocess import RULE_FILE, RULE_KEYS, TOP_K, postprocess, read_rule_file
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
 
@@ -87,7 +88,14 @@ def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config
     config = from_dict(state["config"], source=f"{path} (saved config)")
     model = build_model(config.model, pretrained=False)
     model.load_state_dict(state["model"])
+    prepare_for_training(model, config.train.channels_last, checkpointing="none")  # the memory format it trained in
     return model.to(device).eval(), config
+
+
+def padded(images: torch.Tensor, size: int) -> torch.Tensor:
+    """`images` with black images appended up to `size`, so that a compiled model sees one batch
+    shape (the short last batch would compile a second graph)."""
+    return torch.cat([images, images.new_zeros((size - len(images), *images.shape[1:]))])
 
 
 def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: list[str] = (),
@@ -111,11 +119,16 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     dtype = autocast_dtype(config.train.precision, device)
     dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size,
                            decode=resolve_decode(config.data.decode, device))
+    compiling = resolve_compile(config.predict.compile, device, "predict.compile")
+    forwards = [compiled(model) for model in models] if compiling else models
     rows = []
     for batch in tqdm(make_loader(dataset, config.data, config.predict.batch_size, device), desc="predict",
                       unit="batch", disable=None):
         images = decode_batch(batch, device)["image"].to(device, non_blocking=True)
-        probs = batch_probabilities(models, images, dtype, config.predict).submission
+        if compiling:
+            images = padded(images, config.predict.batch_size)
+        with compile_logged(compiling, images.shape, what="prediction batches"):
+            probs = batch_probabilities(forwards, images, dtype, config.predict).submission[:len(batch["image_id"])]
         masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate,
                             top_k)
         for image_id, image_masks in zip(batch["image_id"], masks):

@@ -28,7 +28,8 @@ def test_training_benchmark_prints_its_table(tmp_path):
     for row in ROWS:
         assert f"| {row}" in out
     assert "| e. cloudseg compiled, fp32 | skipped |" in out  # --no-compiled
-    assert "data loading:" in out and "4-flip TTA" in out and "3698 test images" in out
+    assert "data loading:" in out and "4-flip TTA, eager" in out and "3698 test images" in out
+    assert "4-flip TTA, compiled" not in out  # --no-compiled
     assert "MFU:" in out and "targets" in out and "checkpointing=full, eager: time per image" in out
     assert "batch-norm backend in training: fp32 " in out and "all batch-norm ops" in out
     figures = json.loads((tmp_path / "b.json").read_text())
@@ -42,6 +43,7 @@ def test_training_benchmark_runs_its_compiled_rows():
     for row in ROWS[4:]:
         assert f"| {row} | skipped" not in out and f"| {row} |" in out
     assert "compiled (aot_eager), fp32, checkpointing=full: first window" in out
+    assert "4-flip TTA, compiled:" in out
 
 
 def test_rle_benchmark_prints_its_table():

@@ -6,17 +6,21 @@ default inductor backend, and one runs on a CUDA GPU where there is one."""
 import importlib.util
 import logging
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from cloudseg import compiled, engine
+from cloudseg import predict as predict_module
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.compiled import compile_logged, graph_counts, resolve_compile
 from cloudseg.config import ModelConfig, load_config
 from cloudseg.engine import StepContext, micro_batch_losses, resilient_step, train_step, windows
 from cloudseg.model import build_model, prepare_for_training
+from cloudseg.train import train
 from tests.conftest import TINY
 from tests.test_accumulation import CPU, Images
 from tests.test_distributed import OPTIONS as DDP_OPTIONS, torchrun_train, train_one_process
@@ -77,7 +81,7 @@ def test_the_test_can_fail_momentum_none_breaks_the_graph_and_the_log_says_so(ao
         compiled.compiled(micro_batch_losses)(net, batch["image"], batch["mask"], None, 1.0)
     assert graph_counts()[1] > 0
     warnings = [r.getMessage() for r in caplog.records if r.name == "cloudseg" and r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "graph breaks in the training step" in warnings[0] and "item()" in warnings[0]
+    assert len(warnings) == 1 and "graph breaks in the micro-batches" in warnings[0] and "item()" in warnings[0]
 
 
 @pytest.mark.parametrize("mode", ["encoder", "full"])
@@ -130,6 +134,47 @@ def test_out_of_memory_retry_compiles_the_halved_micro_batch_and_redoes_the_wind
     assert_same_state(reference, recovered)
     assert graph_counts() == (2, 0)  # micro-batches of 2, then of 1
     assert "micro-batches of shape [1, 3, 8, 10]: 1 graph(s) compiled" in caplog.text
+
+
+def test_predict_compiles_one_graph_for_every_batch_and_predicts_what_eager_predicts(data_copy, tmp_path, aot_eager,
+                                                                                    monkeypatch, caplog):
+    """6 test images in batches of 4: the short last batch is padded. Would catch: a second graph
+    for the short batch (no padding), the padding's probabilities reaching the submission, a
+    compiled forward that predicts otherwise than eager, and predict.compile ignored."""
+    caplog.set_level(logging.INFO, logger="cloudseg")
+    run = tmp_path / "run"
+    assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data_copy}", *SMALL,
+                 "train.epochs=1"]) == 0
+    real_postprocess, probabilities = predict_module.postprocess, []
+    monkeypatch.setattr(predict_module, "postprocess",
+                        lambda probs, *args: probabilities.append(probs) or real_postprocess(probs, *args))
+
+    def predicted(compile):
+        probabilities.clear()
+        out = tmp_path / f"compile-{compile}.csv"
+        assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(out), "--device", "cpu",
+                     "--postprocess", "none", "predict.batch_size=4", f"predict.compile={compile}"]) == 0
+        return pd.read_csv(out), [len(probs) for probs in probabilities], np.concatenate(probabilities)
+
+    eager, compiled_run = predicted(False), predicted(True)
+    assert graph_counts() == (1, 0)
+    assert "prediction batches of shape [4, 3, 64, 96]: 1 graph(s) compiled" in caplog.text
+    assert eager[1] == compiled_run[1] == [4, 2]
+    np.testing.assert_allclose(compiled_run[2], eager[2], rtol=0, atol=1e-6)
+    assert list(compiled_run[0]["Image_Label"]) == list(eager[0]["Image_Label"])
+
+
+def test_predict_loads_the_model_in_the_memory_format_it_trained_in(data_copy, tmp_path):
+    """Would catch: prediction ignoring train.channels_last (NCHW convolutions on a GPU whose
+    fast kernels are NHWC), or forcing it on a model trained without it."""
+    for channels_last in (True, False):
+        run = tmp_path / f"channels_last-{channels_last}"
+        train(load_config("configs/demo.yaml", [f"data.dir={data_copy}", *SMALL, "train.epochs=1",
+                                                f"train.channels_last={channels_last}"]), run)
+        model, _ = predict_module.load_model(run / "best.pt", torch.device("cpu"))
+        weight = model.unet.encoder.conv1.weight
+        assert weight.is_contiguous(memory_format=torch.channels_last) is channels_last
+        assert model.channels_last is channels_last
 
 
 @pytest.mark.slow  # two torchrun processes compiling, and one process training in float64 (~3 min here)
