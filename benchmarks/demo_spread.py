@@ -16,7 +16,7 @@ The folds are made once per dataset with the config's seed, as `make train` make
 training seed holds out the same images: the spread is the training's, not the fold draw's.
 
 Usage: python benchmarks/demo_spread.py [--seeds 0,1,2] [--data-seeds 0] [--threads 2] [--jobs 1]
-       [--set key=value ...] [--synth-args "..."] [--out DIR] [--json FILE]
+       [--set key=value ...] [--synth-args "..."] [--out DIR] [--json FILE] [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
@@ -71,13 +71,15 @@ def make_dataset(root: Path, synth_args: list[str], data_seed: int) -> Path:
     return data
 
 
-def demo_run(data: Path, run: Path, seed: int, threads: int, overrides: list[str]) -> dict:
-    """`make train` then `make predict` on `data` with training seed `seed` on `threads` threads; the figures."""
+def demo_run(data: Path, run: Path, seed: int, threads: int, overrides: list[str], device: str = "auto") -> dict:
+    """`make train` then `make predict` on `data` with training seed `seed` on `threads` threads,
+    both on `device` (train.device, predict --device); the figures."""
     started, log, env = time.perf_counter(), run.with_suffix(".log"), {"OMP_NUM_THREADS": str(threads)}
-    cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}", f"seed={seed}", *overrides,
-             log=log, env=env)
+    cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}", f"seed={seed}",
+             f"train.device={device}", *overrides, log=log, env=env)
     train_seconds = time.perf_counter() - started
-    cloudseg("predict", "--checkpoint", str(run / "best.pt"), "--out", str(run / "submission.csv"), log=log, env=env)
+    cloudseg("predict", "--checkpoint", str(run / "best.pt"), "--out", str(run / "submission.csv"), "--device", device,
+             log=log, env=env)
     metrics = pd.read_csv(run / "metrics.csv")
     best = metrics.loc[metrics["dice_tuned"].idxmax()]
     return {"data_seed": int(data.name.removeprefix("data")), "threads": threads, "seed": seed,
@@ -126,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="cloudseg synth arguments (default: the Makefile's SYNTH_ARGS; --seed is replaced)")
     parser.add_argument("--out", help="a new folder for the data, runs and logs (default: one under /tmp)")
     parser.add_argument("--json", help="also write every figure here")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where training and prediction run (train.device, predict --device); auto as make's")
     return parser.parse_args(argv)
 
 
@@ -138,7 +142,8 @@ def main(argv=None) -> None:
     plan = list(itertools.product(args.data_seeds, args.threads, args.seeds))
 
     def one(data_seed: int, threads: int, seed: int) -> dict:
-        result = demo_run(datasets[data_seed], root / f"d{data_seed}-t{threads}-s{seed}", seed, threads, args.set)
+        result = demo_run(datasets[data_seed], root / f"d{data_seed}-t{threads}-s{seed}", seed, threads, args.set,
+                          args.device)
         print(f"  data {data_seed}, {threads} thread(s), seed {seed}: valid {result['valid_tuned']:.3f}, "
               f"test {result['test']:.3f} ({result['train_seconds']:.0f} s)", flush=True)
         return result

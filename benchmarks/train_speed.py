@@ -77,8 +77,9 @@ def main() -> None:
                                                                                     compile))
                       for compile in (False, True) if args.compiled or not compile}
     for step, rate in inference_rate.items():
-        print(f"inference, 4-flip TTA, {step}: {rate[0]:.2f} images/s, peak {rate[1]:.2f} GiB; "
-              f"{KAGGLE_TEST_IMAGES} test images in {KAGGLE_TEST_IMAGES / rate[0] / 60:.1f} min (model time only)")
+        if rate:  # None: skipped, as timed() said
+            print(f"inference, 4-flip TTA, {step}: {rate[0]:.2f} images/s, peak {rate[1]:.2f} GiB; "
+                  f"{KAGGLE_TEST_IMAGES} test images in {KAGGLE_TEST_IMAGES / rate[0] / 60:.1f} min (model time only)")
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"device": device_name(device), "torch": torch.__version__, "args": vars(args),

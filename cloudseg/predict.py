@@ -95,6 +95,8 @@ def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config
 def padded(images: torch.Tensor, size: int) -> torch.Tensor:
     """`images` with black images appended up to `size`, so that a compiled model sees one batch
     shape (the short last batch would compile a second graph)."""
+    if len(images) == size:
+        return images
     return torch.cat([images, images.new_zeros((size - len(images), *images.shape[1:]))])
 
 

@@ -219,7 +219,8 @@ def test_predict_stops_on_a_bad_test_image_naming_it_and_writes_nothing(data, tm
     image.write_bytes(image.read_bytes()[:-300])
     submission = tmp_path / "submission.csv"
     capsys.readouterr()
-    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(submission), "data.num_workers=1"]) == 2
+    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(submission), "--device", "cpu",
+                 "data.num_workers=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"cloudseg: error: {image}: truncated JPEG (no end-of-image marker)"
     assert not submission.exists() and list(tmp_path.glob(".submission.csv*")) == []

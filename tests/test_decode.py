@@ -261,7 +261,8 @@ def test_a_run_in_gpu_mode_equals_one_in_cpu_mode(data_copy, tmp_path, monkeypat
         augment = [f"augment.{name}={p}" for name, p in ALL.items()]
         assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data_copy}", *TINY,
                      "train.epochs=1", *augment]) == 0
-        assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(run / "submission.csv")]) == 0
+        assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(run / "submission.csv"),
+                     "--device", "cpu"]) == 0
         assert asked == [("auto", "cpu")] * 3  # training (both splits), out-of-fold, test prediction
         with np.load(run / "oof.npz") as saved:
             outputs[mode] = ((run / "metrics.csv").read_text().splitlines()[1].split(",")[:8],

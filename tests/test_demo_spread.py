@@ -43,19 +43,21 @@ def test_spread_by_hand():
 
 @pytest.mark.slow  # two trainings and predictions: run with make test-all
 def test_script_runs_each_seed_on_the_folds_make_train_uses(tmp_path):
-    """Two seeds, one epoch, tiny images, through the real commands. Would catch: the seed not
-    reaching the run, folds made with the training seed (each seed would hold out other images),
-    and a test Dice that is not the submission's score."""
+    """Two seeds, one epoch, tiny images, through the real commands, on the CPU. Would catch: the
+    seed or the device not reaching the run, folds made with the training seed (each seed would
+    hold out other images), and a test Dice that is not the submission's score."""
     out = tmp_path / "spread"
     printed = subprocess.run(
         [sys.executable, "benchmarks/demo_spread.py", "--seeds", "5,6", "--threads", "1", "--out", str(out),
          "--synth-args", "--n-train 20 --n-test 4 --height 64 --width 96", "--json", str(tmp_path / "s.json"),
-         "--set", "train.epochs=1", "--set", "data.num_workers=0"],
+         "--set", "train.epochs=1", "--set", "data.num_workers=0", "--device", "cpu"],
         capture_output=True, text=True, timeout=600, check=True).stdout
     assert any(line.startswith("spread") for line in printed.splitlines())
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert [r["seed"] for r in results] == [5, 6]
-    assert [load_config(out / f"d0-t1-s{seed}" / "config.yaml").seed for seed in (5, 6)] == [5, 6]
+    configs = [load_config(out / f"d0-t1-s{seed}" / "config.yaml") for seed in (5, 6)]
+    assert [config.seed for config in configs] == [5, 6] and {config.train.device for config in configs} == {"cpu"}
+    assert "--device cpu" in (out / "d0-t1-s6.log").read_text()  # predict too
     demo_seed = load_config("configs/demo.yaml").seed
     labels = read_train_csv(out / "data0")
     saved = pd.read_csv(out / "data0" / "folds.csv", index_col="image_id")["fold"].to_numpy()

@@ -255,6 +255,39 @@ def test_predict_on_the_gpu_writes_a_valid_submission_and_gpu_probabilities_matc
                                                                              difference.mean())
 
 
+def test_compiled_prediction_on_the_gpu_is_one_graph_and_predicts_what_eager_predicts(data_copy, tmp_path,
+                                                                                     monkeypatch):
+    """`predict.compile` with inductor's GPU kernels, 6 images in batches of 4 and 2 (padded).
+    Would catch: a graph break or a second graph that only CUDA shows (cuDNN, channels_last, the
+    padded batch), and compiled probabilities that are not eager's within GPU_TOLERANCE's fp32
+    bounds (TF32 both ways; generated kernels sum in other orders)."""
+    from torch._dynamo.utils import counters
+
+    from cloudseg.compiled import graph_counts
+
+    run = tmp_path / "run"
+    train(load_config("configs/demo.yaml", [f"data.dir={data_copy}", *TINY, "train.epochs=1"]), run)
+    real_postprocess, probabilities = predict_module.postprocess, []
+    monkeypatch.setattr(predict_module, "postprocess",
+                        lambda probs, *args: probabilities.append(probs) or real_postprocess(probs, *args))
+
+    def predicted(compile):
+        probabilities.clear()
+        predict([str(run / "best.pt")], None, str(tmp_path / f"compile-{compile}.csv"),
+                [f"predict.compile={compile}", "predict.batch_size=4"], postprocess_file="none", device="cuda")
+        return np.concatenate(probabilities)
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        eager, compiled_run = predicted(False), predicted(True)
+        assert graph_counts() == (1, 0)
+    finally:
+        torch._dynamo.reset()
+    difference, (largest, mean) = np.abs(compiled_run - eager), GPU_TOLERANCE["fp32"]
+    assert difference.max() <= largest and difference.mean() <= mean, (difference.max(), difference.mean())
+
+
 # ---------------------------------------------------------------------------------- cloudseg memory
 
 # Twice the tests' side: the table prints GiB to two decimals, and activations at 64x96 round to 0.

@@ -23,7 +23,8 @@ from cloudseg.synth import TEST_SOLUTION_CSV, synthesize
 from cloudseg.task import LABELS, SUBMISSION_SHAPE
 from tests.fake_cuda import H100
 
-# Eager even on a GPU: the models here look their masks up in NumPy, which torch.compile cannot trace.
+# Eager even on a GPU: the models here look their masks up by each image's bytes in NumPy, which
+# torch.compile cannot trace, and compiled prediction's padding images are in no table.
 CONFIG = load_config("configs/demo.yaml", ["data.num_workers=0", "data.image_size=[350,525]", "predict.compile=false"])
 
 

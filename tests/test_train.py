@@ -52,7 +52,7 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
 
     sub = tmp_path / "submission.csv"
     caplog.set_level(logging.INFO, logger="cloudseg")
-    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(sub)]) == 0
+    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(sub), "--device", "cpu"]) == 0
     assert f"the tuned rule of {(run / 'postprocess.json').resolve()}" in caplog.text  # applied by default
     frame = pd.read_csv(sub, keep_default_na=False)
     expected = pd.read_csv(data / "sample_submission.csv")["Image_Label"]

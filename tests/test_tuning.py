@@ -21,6 +21,7 @@ from cloudseg.task import LABELS
 from cloudseg.tune import RuleSearch, search_rule, tune
 
 SHAPE = (350, 525)
+ON_CPU = ["--device", "cpu"]  # the runs below trained on the CPU (TINY); predict compares their submissions
 
 
 def smooth_probs(n, seed):
@@ -289,9 +290,10 @@ def test_training_writes_the_held_out_fold_as_oof(trained):
 def test_ensemble_of_one_checkpoint_equals_the_checkpoint(trained, tmp_path):
     _, runs = trained
     best = str(runs[0] / "best.pt")
-    main(["predict", "--checkpoint", best, "--out", str(tmp_path / "one.csv")])
-    main(["predict", "--checkpoint", best, "--checkpoint", best, "--out", str(tmp_path / "twice.csv")])
-    two = ["predict", "--checkpoint", best, "--checkpoint", str(runs[1] / "best.pt"), "--out", str(tmp_path / "two.csv")]
+    main(["predict", *ON_CPU, "--checkpoint", best, "--out", str(tmp_path / "one.csv")])
+    main(["predict", *ON_CPU, "--checkpoint", best, "--checkpoint", best, "--out", str(tmp_path / "twice.csv")])
+    two = ["predict", *ON_CPU, "--checkpoint", best, "--checkpoint", str(runs[1] / "best.pt"),
+           "--out", str(tmp_path / "two.csv")]
     assert main(two) == 2  # two runs and no pooled rule beside them: the user must name one
     assert main([*two, "--postprocess", "none"]) == 0
     assert submission(tmp_path / "one.csv").equals(submission(tmp_path / "twice.csv"))
@@ -302,11 +304,12 @@ def test_predict_applies_the_tuned_rule(trained, tmp_path):
     _, runs = trained
     rule = {"threshold": [1.0] * 4, "min_area": [0] * 4, "gate": [0.0] * 4}  # nothing clears a threshold of 1
     (tmp_path / "p.json").write_text(json.dumps(rule))
-    assert main(["predict", "--checkpoint", str(runs[0] / "best.pt"), "--postprocess", str(tmp_path / "p.json"),
+    assert main(["predict", *ON_CPU, "--checkpoint", str(runs[0] / "best.pt"), "--postprocess", str(tmp_path / "p.json"),
                  "--out", str(tmp_path / "s.csv")]) == 0
     assert (submission(tmp_path / "s.csv")["EncodedPixels"] == "").all()
     (tmp_path / "bad.json").write_text("{}")
-    assert main(["predict", "--checkpoint", str(runs[0] / "best.pt"), "--postprocess", str(tmp_path / "bad.json")]) == 2
+    assert main(["predict", *ON_CPU, "--checkpoint", str(runs[0] / "best.pt"), "--postprocess",
+                 str(tmp_path / "bad.json")]) == 2
 
 
 def test_tune_on_trained_folds_then_submit(trained, tmp_path):
