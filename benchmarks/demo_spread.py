@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
 from cloudseg.metrics import evaluate_submission
 from cloudseg.synth import TEST_SOLUTION_CSV
@@ -128,8 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="cloudseg synth arguments (default: the Makefile's SYNTH_ARGS; --seed is replaced)")
     parser.add_argument("--out", help="a new folder for the data, runs and logs (default: one under /tmp)")
     parser.add_argument("--json", help="also write every figure here")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where training and prediction run (train.device, predict --device); auto as make's")
+    add_device_option(parser, "training and prediction run (train.device, predict --device)")
     return parser.parse_args(argv)
 
 

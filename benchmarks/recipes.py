@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
 from cloudseg.data import fold_ids
 from cloudseg.loss import per_image_loss
@@ -111,8 +112,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n-test", type=int, default=32)
     parser.add_argument("--size", type=int, nargs=2, default=(192, 288), metavar=("H", "W"))
     parser.add_argument("--out", help="a new folder for the data, runs and logs (default: one under /tmp)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where the runs train and predict (train.device, predict --device)")
+    add_device_option(parser, "training and prediction run (train.device, predict --device)")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.options.split(",") if name.strip()]
     if unknown := [name for name in names if name not in OPTIONS]:

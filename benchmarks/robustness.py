@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from cloudseg.cli import add_device_option
 from cloudseg.data import read_label_csv, read_train_csv
 from cloudseg.metrics import evaluate_submission
 from cloudseg.synth import TEST_SOLUTION_CSV
@@ -170,8 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "to check a recipe on draws it was not chosen on")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra training config override, e.g. train.lr=1e-3 (repeatable)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where training and prediction run (train.device, predict --device); auto as a user's")
+    add_device_option(parser, "training and prediction run (train.device, predict --device)")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]

@@ -140,10 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_device_option(command: argparse.ArgumentParser) -> None:
-    """--device of the commands that run a saved model (training reads train.device instead)."""
+def add_device_option(command: argparse.ArgumentParser, what: str = "the model runs") -> None:
+    """--device of the commands that run a saved model (training reads train.device instead), and
+    of the benchmark scripts that run cloudseg's commands."""
     command.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                         help="where the model runs: auto (default) = a CUDA GPU when PyTorch sees one, else the CPU")
+                         help=f"where {what}: auto (default) = a CUDA GPU when PyTorch sees one, else the CPU")
 
 
 def run_synth(args) -> None:
