@@ -3,7 +3,8 @@
 
 A cloudseg checkpoint is one dict written by `torch.save`: the model, optimizer, scheduler and
 scaler state dicts (and later possibly an `ema` state dict), `epoch`, `step`, `rng` (the Python,
-NumPy, torch and CUDA random states, see `rng_states`), `config` (a JSON-able dict), `metrics`
+NumPy and torch random states, and every process's CUDA state of its own GPU, see `rng_states`),
+`config` (a JSON-able dict), `metrics`
 (a list of dicts of numbers) and `progress` (how far into an epoch a stopped run got, or None).
 
 Every value in it is a tensor or a plain Python value: None, bool, int, float, str, bytes, and
@@ -150,12 +151,19 @@ def convert_checkpoint(old: str | Path, out: str | Path | None = None, *, trust:
 # ---------------------------------------------------------------------------------- random states
 
 
-def rng_states() -> dict:
-    """This process's random states (Python, NumPy, torch, and CUDA when present) in plain values."""
+def rng_states(cuda_by_rank: list[torch.Tensor] | None = None) -> dict:
+    """This process's random states (Python, NumPy, torch's CPU generator) in plain values, and
+    under "cuda_by_rank" each process's state of its own GPU's generator, in rank order
+    (`cuda_rng_state` of every rank, gathered by the caller; absent on a CPU)."""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda_by_rank is not None:
+        states["cuda_by_rank"] = list(cuda_by_rank)
     return plain_rng(states)
+
+
+def cuda_rng_state(device: torch.device) -> torch.Tensor | None:
+    """The state of `device`'s CUDA generator (None on a CPU)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 def plain_rng(states: dict) -> dict:
@@ -167,12 +175,44 @@ def plain_rng(states: dict) -> dict:
             "numpy": [algorithm, np.asarray(key).tolist(), int(position), int(has_gauss), float(cached_gaussian)]}
 
 
-def restore_rng_states(states: dict) -> None:
-    """Set this process's random states to `states` (from `rng_states`)."""
+def restore_rng_states(states: dict, device: torch.device = torch.device("cpu"), rank: int = 0, world: int = 1,
+                       fresh_cuda: torch.Tensor | None = None, where: str = "checkpoint") -> None:
+    """Set this process's random states to `states` (from `rng_states`): this process (`rank`
+    of `world`, on `device`) takes its own GPU's state (see `cuda_state_for`, which may refuse)."""
+    cuda = cuda_state_for(states, device, rank, world, fresh_cuda, where)  # refused before anything is set
     version, internal, gauss_next = states["python"]
     random.setstate((version, tuple(internal), gauss_next))
     algorithm, key, position, has_gauss, cached_gaussian = states["numpy"]
     np.random.set_state((algorithm, np.array(key, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def cuda_state_for(states: dict, device: torch.device, rank: int, world: int, fresh: torch.Tensor | None,
+                   where: str) -> torch.Tensor | None:
+    """The CUDA random state process `rank` of `world` continues from on `device`, or None
+    (a CPU, or a run saved on CPUs: the generator stays as seeded).
+
+    With as many processes as saved, each takes its own. With another number the streams
+    cannot be dealt out again; that is still exact where no process's stream has moved since
+    seeding (`fresh`: a generator's state right after the run's seed), that is where training
+    draws nothing on the GPU (no dropout): then each continues from the seed. Otherwise a
+    ValueError says to resume with the saved number. Checkpoints from before "cuda_by_rank"
+    hold rank 0's states of every visible GPU under "cuda": each GPU takes its entry, as it
+    did then, where the list has one.
+    """
+    if device.type != "cuda":
+        return None
+    if "cuda_by_rank" not in states:
+        legacy = states.get("cuda", [])
+        return legacy[device.index] if device.index < len(legacy) else None
+    saved = states["cuda_by_rank"]
+    if len(saved) == world:
+        return saved[rank]
+    if fresh is not None and all(torch.equal(state, fresh) for state in saved):
+        return fresh
+    raise ValueError(f"{where}: saved by {len(saved)} process(es) whose GPU random streams have moved (dropout or "
+                     f"another random op on the GPU), and this run has {world}: it continues exactly only with "
+                     f"{len(saved)}; resume with {len(saved)} (make train NPROC={len(saved)}, or torchrun "
+                     f"--nproc_per_node {len(saved)} -m cloudseg train --resume ...)")

@@ -23,6 +23,8 @@ when it is set (`check_replayable`). Everything here is device-generic: with
 
 from __future__ import annotations
 
+import re
+
 import albumentations as A
 import cv2
 import numpy as np
@@ -30,6 +32,7 @@ import torch
 from albumentations.augmentations.geometric.functional import is_identity_matrix
 
 from cloudseg import rle
+from cloudseg.syncs import named_sync
 from cloudseg.task import LABELS
 
 ENCODED_KEYS = ("image", "runs", "augment")  # what a gpu-mode item holds that decode_batch turns into tensors
@@ -89,9 +92,11 @@ def _zero(fill) -> bool:
     return not isinstance(fill, str) and fill is not None and bool(np.all(np.asarray(fill) == 0))
 
 
-def draw_steps(transform, shape: tuple[int, int]) -> list[tuple[str, np.ndarray | None]]:
+def draw_steps(transform, shape: tuple[int, int]) -> list[tuple[str, torch.Tensor | np.ndarray | None]]:
     """The steps `transform` applies now to an H×W image (`shape`) and their parameters, in
-    order, as (name, value) for `replay`, drawn without an image.
+    order, as (name, value) for `replay`, drawn without an image. The values the device needs
+    (a warp's inverse map, a lookup table) are CPU tensors, which the loader pins, so that they
+    travel with the batch without a blocking copy.
 
     The draws are albumentations' own, in the order `Compose.__call__` and
     `BasicTransform.__call__` make them (whether the compose and each step apply, then each
@@ -112,7 +117,7 @@ def draw_steps(transform, shape: tuple[int, int]) -> list[tuple[str, np.ndarray 
     return steps
 
 
-def _replay_step(step, params: dict) -> list[tuple[str, np.ndarray | None]]:
+def _replay_step(step, params: dict) -> list[tuple[str, torch.Tensor | np.ndarray | None]]:
     """What the device needs to replay one drawn step (nothing for a step that changes nothing)."""
     if isinstance(step, A.HorizontalFlip):
         return [("hflip", None)]
@@ -121,9 +126,12 @@ def _replay_step(step, params: dict) -> list[tuple[str, np.ndarray | None]]:
     if isinstance(step, A.XYMasking):
         return [("blank", params["holes"])] if len(params["holes"]) else []
     if isinstance(step, A.Affine):  # albumentations skips an identity warp
-        return [] if is_identity_matrix(params["matrix"]) else [("affine", cv2.invertAffineTransform(params["matrix"][:2]))]
+        if is_identity_matrix(params["matrix"]):
+            return []
+        inverse = cv2.invertAffineTransform(params["matrix"][:2])
+        return [("affine", torch.from_numpy(inverse).float())]  # OpenCV casts the map to float32 too
     lut = step.apply(_RAMP, **params)  # RandomBrightnessContrast: albumentations' own uint8 table
-    return [("lut", np.ascontiguousarray(lut[0].T))]
+    return [("lut", torch.from_numpy(np.ascontiguousarray(lut[0].T)))]
 
 
 # ---------------------------------------------------------------------------------- on the device
@@ -135,57 +143,119 @@ def decode_batch(batch: dict, device: torch.device | str) -> dict:
 
     A gpu-mode batch holds lists: `image` (JPEG bytes), `runs` (each item's four masks as one
     `rle.runs` sequence) and `augment` (`draw_steps`). A batch already decoded is returned as is.
+    Its tensors arrive pinned (the loader's pin_memory), so every copy to the device here is
+    asynchronous: the one host sync is the decode's own (`on_decode_stream`).
     """
     if not isinstance(batch.get("image"), list):
         return batch
+    device = torch.device(device)
     images = _decode_all(batch["image"], batch["image_id"], device)
     size, count = images[0].shape[-2:], len(images)
-    steps = batch.get("augment", [[]] * count)
-    out = {key: value for key, value in batch.items() if key not in ENCODED_KEYS}
-    out["image"] = torch.stack([replay(image, item_steps) for image, item_steps in zip(images, steps)])
+    masks = [None] * count
     if "runs" in batch:
         items = [item_runs.to(device, non_blocking=True) for item_runs in batch["runs"]]
         masks = rle.decode_runs(rle.concat_runs(items, len(LABELS) * size.numel()), (count, len(LABELS), *size))
-        out["mask"] = torch.stack([replay(mask, item_steps, mask=True) for mask, item_steps in zip(masks, steps)])
+    steps = batch.get("augment", [[]] * count)
+    replayed = [replay(image, item_steps, item_masks) for image, item_steps, item_masks in zip(images, steps, masks)]
+    out = {key: value for key, value in batch.items() if key not in ENCODED_KEYS}
+    out["image"] = torch.stack([image for image, _ in replayed])
+    if "runs" in batch:
+        out["mask"] = torch.stack([item_masks for _, item_masks in replayed])
     return out
 
 
-def _decode_all(data: list[torch.Tensor], image_ids: list[str], device) -> list[torch.Tensor]:
-    """Decode in one batched call; on failure, find the image that cannot be decoded and name it.
+# torchvision re-raises every error of its GPU decode as a RuntimeError ("Error while decoding JPEG
+# images: ..."), PyTorch's own out-of-memory error included; nvJPEG's allocation failure is its status
+# 5 (NVJPEG_STATUS_ALLOCATOR_FAILURE), which torchvision prints last ("Failed to decode batch: 5").
+_OUT_OF_MEMORY = re.compile(r"out of memory|:\s*5\s*$", re.IGNORECASE | re.MULTILINE)
 
-    The worker checked each file's header, so what fails here is corrupt compressed data
+
+def _decode_all(data: list[torch.Tensor], image_ids: list[str], device: torch.device) -> list[torch.Tensor]:
+    """Decode in one batched call; on failure, find the image that cannot be decoded and name it.
+    Out of memory is raised as torch.cuda.OutOfMemoryError, which the training step's retry
+    catches (engine.resilient_step), as it catches the model's.
+
+    The worker checked each file's header, so what else fails here is corrupt compressed data
     (`cloudseg check` decodes every image on the CPU and lists such files).
     """
     # Imported here: torchvision adds seconds to `import cloudseg.data`, and cpu mode never needs it.
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    def decode(items: list[torch.Tensor]) -> list[torch.Tensor]:
+        return on_decode_stream(lambda: decode_jpeg(items, mode=ImageReadMode.RGB, device=device), device)
+
     try:
-        return decode_jpeg(list(data), mode=ImageReadMode.RGB, device=device)
+        return decode(list(data))
     except RuntimeError as error:
+        if _OUT_OF_MEMORY.search(str(error)):
+            raise torch.cuda.OutOfMemoryError(f"decoding the JPEGs of {', '.join(image_ids)}: {error}") from error
         for image_id, one in zip(image_ids, data):
             try:
-                decode_jpeg(one, mode=ImageReadMode.RGB, device=device)
+                decode([one])
             except RuntimeError as single:
                 raise ValueError(f"{image_id}: corrupt JPEG data, torchvision cannot decode it ({single})") from None
         raise ValueError(f"images {', '.join(image_ids)}: batched JPEG decode failed ({error})") from None
 
 
-def replay(tensor: torch.Tensor, steps: list[tuple[str, np.ndarray | None]], mask: bool = False) -> torch.Tensor:
-    """An image (3×H×W) or its masks (4×H×W, `mask=True`: nearest-neighbour warps, no
-    brightness/contrast) with `draw_steps`'s steps applied in order, as the CPU path applies them."""
+_decode_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def on_decode_stream(decode, device: torch.device) -> list[torch.Tensor]:
+    """`decode()` (torchvision's GPU JPEG decode) such that nvJPEG never writes memory that
+    queued work still uses; on a CPU, simply `decode()`.
+
+    torchvision takes the decoded images' memory from PyTorch's caching allocator on the
+    current stream, and nvJPEG writes it without waiting for the work queued there
+    (pytorch/vision PR #9606: 134 of 200 decodes corrupted on an H100). The allocator hands out
+    a block as soon as it is freed on its stream, though kernels queued there may still read
+    it: right after a micro-batch's backward is queued, that could be its activations or
+    gradients. So the decode runs with a stream of its own as the current one, drained first
+    (the public fix, torchcodec PR #1634, drains the caller's stream; this one holds no training
+    work, so draining it costs nothing and the decode overlaps the queued backward). The images
+    then go to the caller's stream: it waits for the decode stream, and each image is recorded
+    on it, so that its block returns to the decode stream's pool only once the caller's work on
+    it is done (the allocator checks that with events, on the host).
+    """
+    if device.type != "cuda":
+        return decode()
+    if device not in _decode_streams:
+        _decode_streams[device] = torch.cuda.Stream(device)
+    caller, stream = torch.cuda.current_stream(device), _decode_streams[device]
+    with torch.cuda.stream(stream):
+        with named_sync("decode stream", device):
+            stream.synchronize()
+        images = decode()
+    caller.wait_stream(stream)
+    for image in images:
+        image.record_stream(caller)
+    return images
+
+
+def replay(image: torch.Tensor, steps: list, masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An image (3×H×W) and its masks (4×H×W, or None) with `draw_steps`'s steps applied in
+    order, as the CPU path applies them: the masks with nearest-neighbour warps and without
+    brightness/contrast."""
     for name, value in steps:
-        if name == "hflip":
-            tensor = tensor.flip(-1)
-        elif name == "vflip":
-            tensor = tensor.flip(-2)
-        elif name == "blank":
-            tensor = blank(tensor, value)
-        elif name == "affine":
-            tensor = warp_affine(tensor, value, nearest=mask)
-        elif name == "lut" and not mask:
-            lut = torch.from_numpy(value).to(tensor.device, non_blocking=True)
-            tensor = lut.gather(1, tensor.flatten(1).long()).view_as(tensor)
-    return tensor
+        if name == "lut":
+            lut = value.to(image.device, non_blocking=True)
+            image = lut.gather(1, image.flatten(1).long()).view_as(image)
+            continue
+        if name == "affine":  # where each output pixel samples: once for the image and its masks
+            value = _source_coordinates(value, image.shape[-2:], image.device)
+        image = _geometric(image, name, value, nearest=False)
+        masks = None if masks is None else _geometric(masks, name, value, nearest=True)
+    return image, masks
+
+
+def _geometric(tensor: torch.Tensor, name: str, value, nearest: bool) -> torch.Tensor:
+    """One flip, no-data band or warp (`value`: the source coordinates) of a C×H×W tensor."""
+    if name == "hflip":
+        return tensor.flip(-1)
+    if name == "vflip":
+        return tensor.flip(-2)
+    if name == "blank":
+        return blank(tensor, value)
+    return _warp(tensor, *value, nearest=nearest)
 
 
 def blank(tensor: torch.Tensor, holes: np.ndarray) -> torch.Tensor:
@@ -196,11 +266,15 @@ def blank(tensor: torch.Tensor, holes: np.ndarray) -> torch.Tensor:
     return tensor
 
 
-def warp_affine(tensor: torch.Tensor, inverse: np.ndarray, nearest: bool) -> torch.Tensor:
+def warp_affine(tensor: torch.Tensor, inverse, nearest: bool) -> torch.Tensor:
     """`cv2.warpAffine` of a C×H×W uint8 tensor with a constant 0 border, given the inverse
     map (output pixel → input position, 2×3): nearest-neighbour or bilinear, as OpenCV 5.0
     computes them in float32 (see `_source_coordinates`)."""
-    x, y = _source_coordinates(inverse, tensor.shape[-2:], tensor.device)
+    return _warp(tensor, *_source_coordinates(inverse, tensor.shape[-2:], tensor.device), nearest=nearest)
+
+
+def _warp(tensor: torch.Tensor, x: torch.Tensor, y: torch.Tensor, nearest: bool) -> torch.Tensor:
+    """The warp of `tensor` that samples it at (x, y) for each output pixel."""
     if nearest:
         return _pick(tensor, x.round(), y.round())  # round half to even, as OpenCV's cvRound
     left, top = x.floor(), y.floor()
@@ -210,13 +284,15 @@ def warp_affine(tensor: torch.Tensor, inverse: np.ndarray, nearest: bool) -> tor
     return _lerp(fy, upper, lower).round().clamp(0, 255).to(torch.uint8)  # rounded half to even
 
 
-def _source_coordinates(inverse: np.ndarray, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input position (x, y, float32 H×W each) that each output pixel samples, with
-    OpenCV's float32 operations: per row x = M1·y + M2 (a multiply, then an add), per pixel
-    fma(M0, column, that). The last columns that make no whole vector group take OpenCV's
-    scalar loop: fma(column, M0, M1·y) + M2. Nearest picks at exact half pixels depend on it."""
+def _source_coordinates(inverse, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input position (x, y, float32 H×W each) that each output pixel samples, given the
+    inverse map (2×3, OpenCV casts it to float32), with OpenCV's float32 operations: per row
+    x = M1·y + M2 (a multiply, then an add), per pixel fma(M0, column, that). The last columns
+    that make no whole vector group take OpenCV's scalar loop: fma(column, M0, M1·y) + M2.
+    Nearest picks at exact half pixels depend on it. The map is copied to the device without
+    waiting (pinned when it comes from the loader)."""
     height, width = shape
-    rows = torch.tensor(inverse, dtype=torch.float32, device=device)  # OpenCV casts the map to float32
+    rows = torch.as_tensor(inverse, dtype=torch.float32).to(device, non_blocking=True)
     row = torch.arange(height, dtype=torch.float32, device=device)[:, None]
     column = torch.arange(width, dtype=torch.float32, device=device)
     scalar = width - width % _VECTOR_COLUMNS  # the first column of the scalar loop

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from cloudseg.syncs import named_sync
+
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -69,7 +71,8 @@ def total(value: float, device: torch.device) -> float:
         return value
     tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
-    return tensor.item()
+    with named_sync("ranks agree", device):
+        return tensor.item()
 
 
 def smallest(value: int, device: torch.device) -> int:
@@ -87,7 +90,8 @@ def _reduced(value: int, device: torch.device, op: str) -> int:
         return value
     tensor = torch.tensor(value, dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
-    return int(tensor.item())
+    with named_sync("ranks agree", device):
+        return int(tensor.item())
 
 
 def summed(tensor: torch.Tensor) -> torch.Tensor:

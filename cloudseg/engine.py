@@ -37,6 +37,7 @@ from cloudseg.decode import decode_batch
 from cloudseg.hardware import autocast
 from cloudseg.loss import per_image_loss
 from cloudseg.model import norm_statistics, restore_norm_statistics
+from cloudseg.syncs import named_sync
 
 log = logging.getLogger("cloudseg")
 
@@ -121,7 +122,7 @@ def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, 
 def train_step(ctx: StepContext, window: list[dict], micro_batch: int | None = None,
                window_images: int | None = None, blank: dict | None = None) -> StepResult:
     """Accumulate one window's gradient, then take one optimizer step (none if the loss or
-    gradient is not finite).
+    gradient is not finite: then the window leaves no trace, its BatchNorm statistics included).
 
     `micro_batch` re-cuts the window's batches smaller (after an out-of-memory error): the
     weights are per image, so the update does not change. On several processes `ctx.model` is
@@ -136,6 +137,16 @@ def train_step(ctx: StepContext, window: list[dict], micro_batch: int | None = N
     with window_norm_statistics(ctx.model) as statistics:
         window_loss = accumulate(ctx, micro_batches, window_images, world if window else 0,
                                  statistics if window else None)
+    with named_sync("window end", ctx.device):
+        result = optimizer_step(ctx, window_loss, world)
+    if result.skipped:  # every rank alike: the loss and the gradient norm are all-reduced
+        statistics.restore()
+    return result
+
+
+def optimizer_step(ctx: StepContext, window_loss: torch.Tensor, world: int) -> StepResult:
+    """Unscale (fp16), clip, and step once, unless the loss or gradient is not finite; the
+    gradients are cleared either way. Reads the loss and the gradient norm: a host sync."""
     ctx.scaler.unscale_(ctx.optimizer)  # once per window, so clipping sees the true gradient
     grad_norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.grad_clip or math.inf).item()
     loss = distributed.total(window_loss.item(), ctx.device) / world
@@ -234,10 +245,17 @@ def resilient_step(ctx: StepContext, window: list[dict], micro_batch: int, windo
         except torch.cuda.OutOfMemoryError:
             if micro_batch == 1 or distributed.world_size() > 1:
                 raise
-            ctx.optimizer.zero_grad(set_to_none=True)
-            restore_norm_statistics(ctx.model, saved_statistics)  # undo the failed attempt's BatchNorm updates
-            if ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
-            micro_batch //= 2
-            log.warning("CUDA out of memory: micro-batch now %d, accumulation %d; redoing the window",
-                        micro_batch, math.ceil(sum(len(batch["image"]) for batch in window) / micro_batch))
+        # Past the except block the error is gone, and with its traceback the failed attempt's
+        # tensors (activations, decoded images), so that the cache can give their memory back.
+        ctx.optimizer.zero_grad(set_to_none=True)
+        restore_norm_statistics(ctx.model, saved_statistics)  # undo the failed attempt's BatchNorm updates
+        return_cached_memory(ctx.device)
+        micro_batch //= 2
+        log.warning("CUDA out of memory: micro-batch now %d, accumulation %d; redoing the window",
+                    micro_batch, math.ceil(sum(len(batch["image"]) for batch in window) / micro_batch))
+
+
+def return_cached_memory(device: torch.device) -> None:
+    """The caching allocator's free blocks back to the GPU (nothing on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from cloudseg import distributed
-from cloudseg.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from cloudseg.checkpoint import cuda_rng_state, load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from cloudseg.compiled import resolve_compile
 from cloudseg.config import Config, TrainConfig, dump
 from cloudseg.data import CloudDataset, EpochSampler, Problem, build_transform, fold_ids, make_loader, readable
@@ -46,6 +46,7 @@ from cloudseg.oof import OOF_FILE, predict_oof, write_oof
 from cloudseg.postprocess import RULE_FILE, postprocess, quantize, write_rule_file
 from cloudseg.predict import batch_probabilities
 from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
+from cloudseg.syncs import named_sync
 from cloudseg.task import LABELS
 from cloudseg.tune import RuleSearch, pooled_notes, search_rule
 from cloudseg.viz import plot_curves
@@ -119,7 +120,7 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
         for epoch in range(start_epoch, config.train.epochs):
             progress = progress or Progress()
             stopped = train_epoch(run, epoch, progress, stop_requested)
-            rng = rng_states()  # as the epoch's windows left them, before validation draws
+            rng = every_rank_rng_states(run.step.device)  # as the epoch's windows left them, before validation draws
             if stopped:
                 save_and_stop(run, epoch, progress, rng, f"after window {progress.windows}")
             try:
@@ -141,6 +142,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     progress within that epoch (None at an epoch's start)."""
     device = distributed.start(resolve_device(config.train.device))
     seed_everything(config.seed)
+    seeded_cuda = cuda_rng_state(device)  # where a resume on another number of GPUs may start from
     train_set, valid_set = datasets(config, device)
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
     require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
@@ -154,6 +156,8 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     start_epoch, history, progress, saved = 0, [], None, None
     if resume:
         saved = load_checkpoint(run_dir / "last.pt")
+        restore_rng_states(saved["rng"], device, distributed.rank(), distributed.world_size(), seeded_cuda,
+                           str(run_dir / "last.pt"))
         start_epoch, history, progress = restore(saved, run_dir / "last.pt", model=model, optimizer=optimizer,
                                                  scheduler=scheduler, scaler=scaler)
     elif distributed.is_main():
@@ -258,7 +262,8 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
             if not result.skipped:
                 run.scheduler.step()
                 if run.ema is not None:  # once per optimizer step, however many micro-batches it took
-                    run.ema.update_parameters(run.model)
+                    with named_sync("ema", device):
+                        run.ema.update_parameters(run.model)
                 progress.losses.append(result.loss)
                 bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{run.scheduler.get_last_lr()[0]:.2e}")
         if distributed.total(stop_requested(), device):
@@ -360,11 +365,10 @@ def evaluated(run: Run) -> CloudNet:
 
 
 def restore(state: dict, path: Path, **parts) -> tuple[int, list[dict], Progress | None]:
-    """Load each part's state and the RNG states from a checkpoint (`state`, loaded from `path`);
-    returns (epoch to run, metrics so far, progress within that epoch or None)."""
+    """Load each part's state from a checkpoint (`state`, loaded from `path`); returns (epoch to
+    run, metrics so far, progress within that epoch or None)."""
     for name, part in parts.items():
         part.load_state_dict(state[name])
-    restore_rng_states(state["rng"])
     progress = Progress.from_dict(state["progress"]) if state.get("progress") else None
     log.info("resuming %s at epoch %d, window %d (step %d)", path.parent, state["epoch"] + 1,
              progress.windows if progress else 0, state["step"])
@@ -493,6 +497,13 @@ def datasets(config: Config, device: torch.device) -> tuple[CloudDataset, CloudD
     train_set.transform = build_transform(**config.augment.model_dump(), image_size=train_set.image_size)
     valid_set = CloudDataset(config.data.dir, "train", valid_ids, None, train_set.image_size, policy, decode=decode)
     return train_set, valid_set
+
+
+def every_rank_rng_states(device: torch.device) -> dict:
+    """This process's random states, with each process's CUDA state of its own GPU (rank order):
+    every process calls it at the same point."""
+    cuda = cuda_rng_state(device)
+    return rng_states(None if cuda is None else distributed.gathered([cuda]))
 
 
 def seed_everything(seed: int) -> None:

@@ -8,8 +8,13 @@ device is refused everywhere, and `torch.device("cuda")` without an index where 
 one), checks the index against the cards, and checks the other arguments as torch does. An index
 past the cards raises what torch raises: AssertionError where torch.cuda checks it in Python
 (get_device_properties and what reads it), RuntimeError where the C++ allocator or the CUDA
-runtime does (the memory functions, synchronize). The fake behaves as after CUDA's
-initialization: before it, torch's memory statistics read 0 without checking their argument.
+runtime does (the memory functions, synchronize, streams), IndexError where torch.cuda indexes
+its tuple of generators (the random states). The fake behaves as after CUDA's initialization:
+before it, torch's memory statistics read 0 without checking their argument. It also keeps what
+the GPU path leans on besides memory: streams (the current one per card, `torch.cuda.stream`,
+`synchronize`, `wait_stream`, `Tensor.record_stream`), the sync debug mode (a stream or device
+synchronize raises under "error", as torch's does), and one random state per card (16 bytes:
+seed and offset, as CUDA's Philox generator keeps them), which `torch.manual_seed` seeds.
 `tests/test_gpu.py` compares the fake with the real torch.cuda on a GPU machine.
 
 No tensor goes to a fake GPU: code under test keeps its tensors on the CPU (the memory planner
@@ -18,6 +23,8 @@ takes its allocator readings through `memory.peak_bytes`, which the tests replac
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -40,6 +47,35 @@ class Card:
     reserved: int = 0  # what this process's allocator holds
     fraction: float = 1.0  # set_per_process_memory_fraction's cap
     peak: int = 0  # max_memory_allocated since the last reset
+    peak_reserved: int = 0  # max_memory_reserved since the last reset
+    rng: torch.Tensor = field(default_factory=lambda: philox_state(0), compare=False)  # its default generator's state
+
+
+def philox_state(seed: int, offset: int = 0) -> torch.Tensor:
+    """A CUDA generator's state as torch.cuda.get_rng_state returns it: 16 bytes, seed and offset."""
+    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+
+SYNC_DEBUG_MODES = {"default": 0, "warn": 1, "error": 2}
+
+
+@dataclass(eq=False)
+class FakeStream:
+    """A CUDA stream of a fake card: what it was asked to do goes into the FakeCuda's log, with
+    the sync debug mode at the time of a synchronize."""
+
+    cuda: "FakeCuda"
+    index: int  # the card
+    name: str
+
+    def synchronize(self) -> None:
+        self.cuda.check_sync()
+        self.cuda.calls.append(("synchronize stream", self.name, self.cuda.sync_debug_mode))
+
+    def wait_stream(self, stream) -> None:
+        if not isinstance(stream, FakeStream):  # torch takes only a Stream
+            raise TypeError(f"wait_stream expects a Stream, got {type(stream).__name__}")
+        self.cuda.calls.append(("wait_stream", self.name, stream.name))
 
 
 GTX_1080_TI = Card("NVIDIA GeForce GTX 1080 Ti", (6, 1), 11264 * 2**20)
@@ -58,6 +94,8 @@ class FakeCuda:
 
     cards: list[Card]
     calls: list[tuple] = field(default_factory=list)
+    sync_debug_mode: int = 0
+    current_streams: dict[int, FakeStream] = field(default_factory=dict)
 
     def index(self, device, optional: bool, error: type[Exception] = AssertionError) -> int:
         """The card `device` names, by torch's rules (see the module docstring); past the cards,
@@ -66,6 +104,10 @@ class FakeCuda:
         if not 0 <= index < len(self.cards):
             raise error(f"Invalid device id {index}")
         return index
+
+    def position(self, card: Card) -> int:
+        """The index of `card` itself (cards of one model compare equal)."""
+        return next(index for index, other in enumerate(self.cards) if other is card)
 
     def card(self, device, optional: bool = True, error: type[Exception] = AssertionError) -> Card:
         return self.cards[self.index(device, optional, error)]
@@ -94,11 +136,95 @@ class FakeCuda:
 
     def reset_peak(self, device=None) -> None:
         card = self.card(device, error=RuntimeError)
-        card.peak = 0
-        self.calls.append(("reset_peak_memory_stats", self.cards.index(card)))
+        card.peak = card.peak_reserved = 0
+        self.calls.append(("reset_peak_memory_stats", self.position(card)))
 
     def synchronize(self, device=None) -> None:
-        self.calls.append(("synchronize", self.index(device, True, RuntimeError)))
+        index = self.index(device, True, RuntimeError)
+        self.check_sync()
+        self.calls.append(("synchronize", index))
+
+    # ------------------------------------------------------------------ streams and host syncs
+
+    def check_sync(self) -> None:
+        """What torch does at a synchronizing call under torch.cuda.set_sync_debug_mode."""
+        if self.sync_debug_mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        if self.sync_debug_mode == 1:
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=3)
+
+    def set_sync_debug_mode(self, debug_mode) -> None:
+        if isinstance(debug_mode, str):
+            if debug_mode not in SYNC_DEBUG_MODES:
+                raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
+            debug_mode = SYNC_DEBUG_MODES[debug_mode]
+        if not isinstance(debug_mode, int) or debug_mode not in (0, 1, 2):  # torch's C++ side takes 0, 1, 2
+            raise RuntimeError(f"invalid debug mode {debug_mode!r}")
+        self.sync_debug_mode = debug_mode
+
+    def current_stream(self, device=None) -> FakeStream:
+        index = self.index(device, True, RuntimeError)
+        return self.current_streams.setdefault(index, FakeStream(self, index, f"default stream of GPU {index}"))
+
+    def new_stream(self, device=None, priority=0, **kwargs) -> FakeStream:
+        index = self.index(device, True, RuntimeError)
+        return FakeStream(self, index, f"stream {len(self.calls)} of GPU {index}")
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        """torch.cuda.stream: `stream` the current one of its card (None: no change)."""
+        if stream is None:
+            yield
+            return
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"expected a Stream, got {type(stream).__name__}")
+        was = self.current_stream(stream.index)
+        self.current_streams[stream.index] = stream
+        try:
+            yield
+        finally:
+            self.current_streams[stream.index] = was
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tensor.record_stream; the fake's tensors stay on the CPU and stand for a card's."""
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"record_stream(): argument 'stream' must be Stream, not {type(stream).__name__}")
+        self.calls.append(("record_stream", stream.name))
+
+    # ------------------------------------------------------------------ random states
+
+    def rng_card(self, device) -> Card:
+        """torch.cuda's rule in get_rng_state/set_rng_state: a str or int becomes a device, whose
+        index (None: the current one) indexes the tuple of generators (IndexError past it)."""
+        if isinstance(device, str):
+            device = torch.device(device)
+        elif isinstance(device, int):
+            device = torch.device("cuda", device)
+        index = device.index  # AttributeError for None, as torch's
+        index = torch.cuda.current_device() if index is None else index
+        if index >= len(self.cards):
+            raise IndexError("tuple index out of range")
+        return self.cards[index]
+
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        return self.rng_card(device).rng.clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, device="cuda") -> None:
+        card = self.rng_card(device)
+        if new_state.dtype != torch.uint8 or new_state.device.type != "cpu":
+            raise TypeError("expected a torch.ByteTensor, but got " + new_state.type())
+        if new_state.numel() != 16:
+            raise RuntimeError("RNG state is wrong size")
+        card.rng = new_state.clone()
+        self.calls.append(("set_rng_state", self.position(card)))
+
+    def set_rng_state_all(self, new_states) -> None:
+        for index, state in enumerate(new_states):  # as torch's: past the cards, IndexError
+            self.set_rng_state(state, index)
+
+    def manual_seed_all(self, seed) -> None:
+        for card in self.cards:
+            card.rng = philox_state(int(seed))
 
     def install(self, monkeypatch, arch_list=CU126_ARCHS, cuda="12.6") -> FakeCuda:
         cards = self.cards
@@ -116,11 +242,24 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.card(device, error=RuntimeError).reserved)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.card(device, error=RuntimeError).peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved",
+                            lambda device=None: self.card(device, error=RuntimeError).peak_reserved)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset_peak)
         monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.calls.append(("empty_cache",)))
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", self.get_fraction, raising=False)
+        monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: self.sync_debug_mode)
+        monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", self.set_sync_debug_mode)
+        monkeypatch.setattr(torch.cuda, "current_stream", self.current_stream)
+        monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.Tensor, "record_stream", self.record_stream)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", self.get_rng_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_rng_state)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [card.rng.clone() for card in cards])
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", self.set_rng_state_all)
+        monkeypatch.setattr(torch.cuda, "manual_seed_all", self.manual_seed_all)
         if cuda and any(card.capability < (7, 5) for card in cards):  # as torch does with cuDNN >= 9.11
             monkeypatch.setattr(torch.backends.cudnn, "version", cudnn_refuses_old_gpus)
         return self

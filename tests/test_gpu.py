@@ -83,10 +83,17 @@ DEVICE_CALLS = {
     "synchronize": lambda d: torch.cuda.synchronize(d),
     "set_per_process_memory_fraction": lambda d: torch.cuda.set_per_process_memory_fraction(1.0, d),
     "get_per_process_memory_fraction": lambda d: torch.cuda.get_per_process_memory_fraction(d),
+    "max_memory_reserved": lambda d: torch.cuda.max_memory_reserved(d),
+    "current_stream": lambda d: torch.cuda.current_stream(d),
+    "Stream": lambda d: torch.cuda.Stream(d),
+    "get_rng_state": lambda d: torch.cuda.get_rng_state(d),
+    "set_rng_state": lambda d: torch.cuda.set_rng_state(torch.cuda.get_rng_state(0), d),
 }
 # The functions it fakes without a device argument (their values are compared below); that the two
 # sets are all it fakes is checked on the CPU (tests/test_cuda_paths.py).
-WITHOUT_DEVICE = {"is_available", "device_count", "current_device", "get_arch_list", "is_bf16_supported", "empty_cache"}
+WITHOUT_DEVICE = {"is_available", "device_count", "current_device", "get_arch_list", "is_bf16_supported", "empty_cache",
+                  "get_sync_debug_mode", "set_sync_debug_mode", "stream", "get_rng_state_all", "set_rng_state_all",
+                  "manual_seed_all"}
 
 
 def device_forms() -> dict[str, object]:

@@ -109,3 +109,54 @@ def test_an_error_inside_the_window_restores_the_old_statistics(compile, monkeyp
     for key, value in net.norm.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert net.norm.momentum == 0.1
+
+
+def train_windows(net, skip=(), poisoned=()):
+    """SGD steps over 12 images in windows of 2 micro-batches of 2, leaving out the windows in
+    `skip` (0-based) and poisoning (NaN logits) the training forwards in `poisoned` (1-based,
+    the windows not skipped counted). Returns the results of the steps."""
+    net.forward = poisoned_forward(net.forward, set(poisoned))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    ctx = StepContext(net, optimizer, torch.amp.GradScaler("cpu", enabled=False), CPU)
+    all_windows = windows(DataLoader(Images(12), batch_size=2), 2)
+    return [train_step(ctx, window) for index, window in enumerate(all_windows) if index not in skip]
+
+
+def poisoned_forward(forward, calls_to_poison: set[int]):
+    calls = []
+
+    def poisoned(images):
+        out = forward(images)
+        calls.append(1)
+        return out * float("nan") if len(calls) in calls_to_poison else out
+
+    return poisoned
+
+
+def test_a_skipped_window_leaves_the_batchnorm_statistics_as_they_were():
+    """Three windows, the second one's loss not finite (NaN logits in its second micro-batch,
+    after its first moved the statistics), against a run that never saw that window, in
+    float64: the same running mean, variance and count, and the same weights, bit for bit.
+    Would catch: the window's statistics stepped although it made no update (so until issue
+    #22), or num_batches_tracked counting it."""
+    torch.manual_seed(0)
+    skipped_run = NormNet().double().train()
+    never_saw_it = NormNet().double().train()
+    never_saw_it.load_state_dict(skipped_run.state_dict())
+    results = train_windows(skipped_run, poisoned={4})
+    assert [result.skipped for result in results] == [False, True, False]
+    train_windows(never_saw_it, skip={1})
+    for key, value in skipped_run.state_dict().items():
+        assert torch.equal(value, never_saw_it.state_dict()[key]), key
+    assert int(skipped_run.norm.num_batches_tracked) == 2
+
+
+def test_the_test_can_fail_a_window_that_steps_moves_the_statistics():
+    """The comparison above is sharp: the second window, stepped, leaves other statistics."""
+    torch.manual_seed(0)
+    stepped = NormNet().double().train()
+    never_saw_it = NormNet().double().train()
+    never_saw_it.load_state_dict(stepped.state_dict())
+    train_windows(stepped)
+    train_windows(never_saw_it, skip={1})
+    assert (stepped.norm.running_mean - never_saw_it.norm.running_mean).abs().max() > 1e-3
