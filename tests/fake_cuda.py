@@ -254,7 +254,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "current_stream", self.current_stream)
         monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
         monkeypatch.setattr(torch.cuda, "stream", self.stream)
-        monkeypatch.setattr(torch.Tensor, "record_stream", self.record_stream)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: self.record_stream(tensor, stream))
         monkeypatch.setattr(torch.cuda, "get_rng_state", self.get_rng_state)
         monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_rng_state)
         monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [card.rng.clone() for card in cards])

@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import albumentations as A
 import cv2
@@ -22,10 +23,14 @@ from cloudseg import oof, predict, rle, train
 from cloudseg.cli import main
 from cloudseg.config import DataConfig, load_config
 from cloudseg.data import CloudDataset, build_transform, collate, make_loader, mask_runs
-from cloudseg.decode import check_replayable, decode_batch, draw_steps, resolve_decode, warp_affine
+from cloudseg.decode import (check_replayable, decode_batch, draw_steps, on_decode_stream, resolve_decode,
+                             warp_affine)
+from cloudseg.engine import StepContext, resilient_step
+from cloudseg.model import build_model
 from cloudseg.synth import synthesize
 from cloudseg.task import LABELS
 from tests.conftest import TINY
+from tests.fake_cuda import H100
 from tests.test_bad_input import (cmyk, corrupt, grayscale, missing, not_a_jpeg, set_rle, truncated, wrong_size,
                                   zero_byte)
 
@@ -361,3 +366,120 @@ def test_loader_benchmark_prints_its_table():
     assert "| gpu mode: the workers' share (bytes, runs, draws) |" in out
     assert "| gpu mode: + decode and augment on cpu |" in out or "| gpu mode: + decode and augment on cuda |" in out
     assert "main-process CPU ms/sample" in out
+
+
+# ------------------------------------------------------------------------- the decode's stream
+
+
+def test_the_gpu_decode_runs_on_a_drained_stream_of_its_own_and_hands_its_images_to_the_caller(fake_cuda,
+                                                                                                monkeypatch):
+    """On a fake GPU (cuda:0), with the sync debug mode at "error" as tests/test_gpu.py sets it:
+    the decoder's stream is drained, the decode runs with it as the current stream (torchvision
+    allocates its outputs there), then the caller's stream waits for it and each image is
+    recorded on the caller's stream, in that order; the caller's stream is current again after.
+    Would catch: a decode on the caller's stream, where queued backward kernels may still read
+    the memory nvJPEG overwrites (so until issue #22); images freed back to the decoder's pool
+    while the caller still uses them (no record_stream); the caller reading them before the
+    decode (no wait_stream); and the drain made as an unnamed sync (it would raise here)."""
+    from cloudseg import decode
+
+    cuda = fake_cuda(H100)
+    monkeypatch.setattr(decode, "_decode_streams", {})
+    caller = torch.cuda.current_stream(0)
+    images = [torch.zeros(3, 4, 6, dtype=torch.uint8), torch.ones(3, 4, 6, dtype=torch.uint8)]
+
+    def fake_decode():
+        cuda.calls.append(("decode on", torch.cuda.current_stream(0).name))
+        return images
+
+    torch.cuda.set_sync_debug_mode("error")
+    assert decode.on_decode_stream(fake_decode, torch.device("cuda", 0)) is images
+    own = decode._decode_streams[torch.device("cuda", 0)].name
+    assert own != caller.name
+    assert cuda.calls == [("synchronize stream", own, 0), ("decode on", own), ("wait_stream", caller.name, own),
+                          ("record_stream", caller.name), ("record_stream", caller.name)]
+    assert torch.cuda.current_stream(0) is caller and torch.cuda.get_sync_debug_mode() == 2
+    with pytest.raises(RuntimeError, match="synchronizing"):  # the fake is as strict as torch outside it
+        caller.synchronize()
+
+
+def test_on_the_cpu_the_decode_is_called_as_it_is(fake_cuda):
+    """Catches the stream dance reaching for CUDA when the device is the CPU."""
+    cuda = fake_cuda(H100)
+    assert on_decode_stream(lambda: ["decoded"], torch.device("cpu")) == ["decoded"]
+    assert cuda.calls == []
+
+
+def test_named_syncs_are_counted_and_only_named_ones_pass(fake_cuda):
+    """Would catch: a sync given a name that docs/memory-and-gpus.md does not list (a typo
+    would hide a real sync from the count), or the debug mode left lifted after the sync."""
+    from cloudseg import syncs
+
+    fake_cuda(H100)
+    torch.cuda.set_sync_debug_mode("warn")
+    before = syncs.counts["window end"]
+    with syncs.named_sync("window end", torch.device("cuda", 0)):
+        assert torch.cuda.get_sync_debug_mode() == 0
+    assert torch.cuda.get_sync_debug_mode() == 1 and syncs.counts["window end"] == before + 1
+    with pytest.raises(KeyError, match="'windowend' is not a named sync"):
+        with syncs.named_sync("windowend", torch.device("cuda", 0)):
+            pass
+    documented = Path("docs/memory-and-gpus.md").read_text()
+    assert all(f"`{name}`" in documented for name in syncs.NAMED)
+
+
+# ------------------------------------------------------------------------- out of memory in the decode
+
+# What torchvision raises for a CUDA decode that ran out of memory: every C++ error re-raised as
+# "Error while decoding JPEG images: " + what(), here PyTorch's allocator's own message.
+TORCHVISION_OOM = ("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 8.41 GiB. GPU 0 has a "
+                   "total capacity of 10.75 GiB of which 1.02 GiB is free.")
+
+
+def gpu_mode_windows(data_dir, window_count=2, micro_batch=4, accumulation=2):
+    """Windows of gpu-mode batches (JPEG bytes and runs), `accumulation` loader batches each."""
+    dataset = CloudDataset(data_dir, decode="gpu")
+    keys = iter(range(len(dataset)))
+    return [[collate([dataset[next(keys)] for _ in range(micro_batch)]) for _ in range(accumulation)]
+            for _ in range(window_count)]
+
+
+@pytest.mark.parametrize("message", [TORCHVISION_OOM, "Error while decoding JPEG images: Failed to decode batch: 5"])
+def test_an_out_of_memory_error_of_the_decode_halves_the_micro_batch_and_redoes_the_window_exactly(
+        tiny_data, monkeypatch, message):
+    """On the CPU: torchvision's decode raises its wrapped out-of-memory RuntimeError (PyTorch's
+    message, or nvJPEG's allocator status 5) for any batch of more than 2 images. The retry
+    must see torch.cuda.OutOfMemoryError, halve the micro-batch 4 → 2 and redo the window (the
+    failure comes at the window's second micro-batch, after the first one's backward): the
+    weights equal, to the bit, those of a run at micro-batch 2 from the start (float64). Would
+    catch: the error turned into "corrupt JPEG data" (ValueError: the run dies, so until
+    issue #22), or a retry that keeps the failed attempt's gradients."""
+    import torchvision.io
+
+    real_decode = torchvision.io.decode_jpeg
+
+    large_batches = []
+
+    def decode_jpeg(data, *args, **kwargs):  # the first batch of 4 decodes: its backward has run when the next fails
+        if isinstance(data, list) and len(data) > 2:
+            large_batches.append(1)
+            if len(large_batches) > 1:
+                raise RuntimeError(message)
+        return real_decode(data, *args, **kwargs)
+
+    def trained(micro_batch):
+        torch.manual_seed(0)
+        model = build_model(load_config("configs/demo.yaml", [*TINY, "model.norm=group"]).model, pretrained=False)
+        model = model.double().train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx = StepContext(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"))
+        for window in gpu_mode_windows(tiny_data):
+            _, micro_batch = resilient_step(ctx, window, micro_batch)
+        return model, micro_batch
+
+    reference, _ = trained(2)
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", decode_jpeg)
+    recovered, micro_batch = trained(4)
+    assert micro_batch == 2
+    for (name, p), q in zip(recovered.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
