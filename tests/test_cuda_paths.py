@@ -276,3 +276,14 @@ def test_capped_steps_retry_down_to_what_fits_and_read_the_peak_of_two_steps(mon
     monkeypatch.setattr(memory, "build_model", one_image_at_most)
     monkeypatch.setattr(memory, "peak_bytes", peak_bytes)
     assert memory.capped_steps(config, 2, (64, 96), CPU) == (3 * GiB, 1, 4)  # auto on a CPU: largest divisor <= 4
+
+
+def test_every_cuda_only_test_is_marked_gpu():
+    """`make test-gpu` runs the tests marked `gpu`: a test that skips itself without CUDA by its
+    own skipif would never run there (the compiled step's test was marked slow so, until issue
+    #22). Would catch such a skipif anywhere in tests/."""
+    from pathlib import Path
+
+    own_skip = "skipif(not torch.cuda" + ".is_available()"  # split, so that this file does not match itself
+    offenders = [path.name for path in Path("tests").glob("test_*.py") if own_skip in path.read_text()]
+    assert offenders == []

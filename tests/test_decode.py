@@ -346,13 +346,16 @@ def test_undecodable_data_behind_a_valid_header_is_named_at_decode(tiny_data, tm
 def test_cuda_path_through_the_training_loader_is_close_to_cpu_mode(tiny_data):
     """On a GPU, through the training loader (worker processes, pinned memory): masks decoded
     from runs and warped there exactly as on the CPU, nvjpeg's images within torchvision's
-    own CPU-vs-CUDA bound (mean |diff| < 2), all on the GPU. Would catch a hand-over that
-    pinning or the workers break, or an operation that rounds otherwise on CUDA."""
+    own CPU-vs-CUDA bound (mean |diff| < 2), all on the GPU, decoded while a long kernel is
+    still queued on the stream. Would catch a hand-over that pinning or the workers break, an
+    operation that rounds otherwise on CUDA, or one that does not wait for the decode."""
     cpu, _, _ = both_modes(tiny_data, ALL)
     dataset = CloudDataset(tiny_data, decode="gpu")
     dataset.transform = transform_for(ALL, dataset.image_size)
     loader = make_loader(dataset, DataConfig(num_workers=2), len(KEYS), torch.device("cuda"), sampler=KEYS)
-    decoded = decode_batch(next(iter(loader)), torch.device("cuda"))
+    batch = next(iter(loader))
+    torch.cuda._sleep(200_000_000)  # a busy stream, as in training: a backward still queued
+    decoded = decode_batch(batch, torch.device("cuda"))
     assert decoded["image"].device.type == decoded["mask"].device.type == "cuda"
     assert torch.equal(decoded["mask"].cpu(), cpu["mask"])
     assert (decoded["image"].cpu().float() - cpu["image"].float()).abs().mean() < 2

@@ -3,9 +3,11 @@ one; without CUDA they are skipped (tests/conftest.py).
 
 The CPU suite reaches cloudseg's CUDA branches through the strict fake of tests/fake_cuda.py;
 here the fake is held to the real torch.cuda, and the paths run for real at tiny sizes (the
-64×96 dataset, a tiny decoder): mixed-precision training steps with `micro_batch: auto` and the
+64×96 dataset, a tiny decoder): the GPU JPEG decode against work still queued on the stream,
+the host syncs of a window, mixed-precision training steps with `micro_batch: auto` and the
 out-of-memory retry, prediction, `cloudseg memory` with and without a cap, resume, and
-`checkpointing: auto` under a cap. Each test names what it assumes of the GPU. The whole file
+`checkpointing: auto` under a cap. (tests/test_decode.py and tests/test_compile.py hold a
+`gpu` test each too; `make test-gpu` runs them all.) Each test names what it assumes of the GPU. The whole file
 takes a few minutes on one GPU, whatever runs beside it: nothing here times anything.
 """
 
@@ -23,11 +25,12 @@ from cloudseg import predict as predict_module
 from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
-from cloudseg.config import load_config
-from cloudseg.data import CloudDataset, collate
+from cloudseg.config import DataConfig, load_config
+from cloudseg.data import CloudDataset, collate, make_loader
 from cloudseg.hardware import autocast_dtype
 from cloudseg.model import build_model, prepare_for_training, set_checkpointing
 from cloudseg.predict import batch_probabilities, load_model, predict
+from cloudseg.synth import synthesize
 from cloudseg.train import Interrupted, train
 from tests.conftest import TINY, signal_during
 from tests.fake_cuda import Card
@@ -159,6 +162,143 @@ def test_the_fake_of_this_machine_s_gpus_reports_what_torch_cuda_reports(fake_cu
     fake_cuda(*this_machine_s_cards(), arch_list=torch.cuda.get_arch_list(), cuda=torch.version.cuda)
     fake = reported()
     assert fake == real and torch.cuda.is_available()
+
+
+def test_the_fake_streams_sync_mode_and_random_states_behave_as_torch_cuda(fake_cuda):
+    """The faked functions without a device argument, real against fake: a bad sync debug mode
+    refused, a stream's and the device's synchronize raising under "error" (and not inside
+    another mode), set_rng_state_all past the last GPU an IndexError, and torch.manual_seed
+    giving every GPU the same state. Would catch: a fake that lets a sync through where torch
+    raises (the CPU test of the decode's stream would then prove nothing), or random states
+    that torch keeps otherwise. Assumes: the sync debug mode at "default" before the test."""
+
+    def behaviour() -> dict:
+        outcome = {"bad mode": raised(lambda _: torch.cuda.set_sync_debug_mode("loud"), None)}
+        stream = torch.cuda.Stream(gpu())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outcome["stream sync"] = raised(lambda _: stream.synchronize(), None)
+            outcome["device sync"] = raised(lambda _: torch.cuda.synchronize(gpu()), None)
+            outcome["mode"] = torch.cuda.get_sync_debug_mode()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with torch.cuda.stream(stream):
+            outcome["current"] = torch.cuda.current_stream(gpu()) == stream
+        states = torch.cuda.get_rng_state_all()
+        outcome["too many states"] = raised(lambda _: torch.cuda.set_rng_state_all(states + states[:1]), None)
+        torch.manual_seed(11)
+        outcome["seeded alike"] = len({bytes(state.tolist()) for state in torch.cuda.get_rng_state_all()}) == 1
+        outcome["state size"] = torch.cuda.get_rng_state(gpu()).numel()
+        return outcome
+
+    real = behaviour()
+    fake_cuda(*this_machine_s_cards(), arch_list=torch.cuda.get_arch_list(), cuda=torch.version.cuda)
+    fake = behaviour()
+    assert real.keys() == fake.keys()
+    assert all(same_outcome(real[key], fake[key]) if key in ("bad mode", "stream sync", "device sync",
+                                                              "too many states") else real[key] == fake[key]
+               for key in real), (real, fake)
+
+
+# ---------------------------------------------------------------------------------- the GPU decode
+
+
+def freed_while_queued(shapes, cycles: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Random uint8 tensors of the decoded images' shapes, then a long kernel queued, then each
+    tensor's sum queued behind it, and the tensors freed: their blocks are free on the current
+    stream while the sums still wait to read them (the state right after a backward is queued).
+    Returns (the queued sums, each tensor's sum read before anything was queued)."""
+    blocks = [torch.randint(0, 256, shape, dtype=torch.uint8, device=gpu()) for shape in shapes]
+    expected = [int(block.sum(dtype=torch.int64)) for block in blocks]
+    torch.cuda._sleep(cycles)
+    sums = [block.sum(dtype=torch.int64) for block in blocks]
+    del blocks
+    return sums, expected
+
+
+def hazard_rounds(data: list[torch.Tensor], decode, rounds: int = 20) -> int:
+    """How many of `rounds` decodes corrupted either the queued sums or the images (against
+    torchvision's CPU decode: nvjpeg differs from it by a few levels, corruption by far more)."""
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg as cpu_decode
+
+    reference = [cpu_decode(one, mode=ImageReadMode.RGB) for one in data]
+    corrupted = 0
+    for _ in range(rounds):
+        sums, expected = freed_while_queued([image.shape for image in reference], cycles=200_000_000)
+        images = decode(data)
+        torch.cuda.synchronize()
+        wrong_sums = [int(total) for total in sums] != expected
+        wrong_pixels = any((image.cpu().int() - ref.int()).abs().max() > 16 for image, ref in zip(images, reference))
+        corrupted += wrong_sums or wrong_pixels
+    return corrupted
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory) -> list[torch.Tensor]:
+    """Four 352x528 JPEGs of the synthetic dataset, as the workers hand them over."""
+    data_dir = synthesize(tmp_path_factory.mktemp("jpegs"), n_train=4, n_test=1, height=352, width=528, seed=5)
+    dataset = CloudDataset(data_dir, decode="gpu")
+    return [dataset[index]["image"] for index in range(4)]
+
+
+def test_the_gpu_decode_never_writes_memory_that_queued_work_still_reads(jpegs):
+    """The hazard as the public record reproduces it (pytorch/vision PR #9606): a long kernel
+    queued, tensors freed while their sums are still queued, then a batched decode, 20 times.
+    Through cloudseg's decode (its own drained stream) neither the sums nor the images may
+    change. Would catch: the decode on the caller's stream, where nvJPEG's hardware engine
+    writes the freed blocks before the queued sums read them (so until issue #22: see the
+    control below). Assumes: nothing else runs on this GPU."""
+    from cloudseg.decode import _decode_all
+
+    ids = [f"{index}.jpg" for index in range(len(jpegs))]
+    assert hazard_rounds(jpegs, lambda data: _decode_all(data, ids, gpu())) == 0
+
+
+def test_the_control_an_unprotected_decode_corrupts_queued_work(jpegs):
+    """The same rounds with torchvision's decode called on the caller's stream, as cloudseg did
+    before issue #22: on a GPU with nvJPEG's hardware engine (A100, H100, H200) some rounds must
+    be corrupted, else the test above proves nothing there. Skipped, saying so, where none is."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    corrupted = hazard_rounds(jpegs, lambda data: decode_jpeg(list(data), mode=ImageReadMode.RGB, device=gpu()))
+    if corrupted == 0:
+        pytest.skip(f"no corruption in 20 unprotected rounds on {torch.cuda.get_device_name()}: "
+                    "no hardware JPEG engine, or it waited")
+    assert corrupted > 0
+
+
+def test_a_steady_state_window_makes_no_host_sync_but_the_named_ones(tiny_data):
+    """Gpu-mode windows (decode, every augmentation replayed, forward, backward, step) under
+    torch.cuda.set_sync_debug_mode("error"), after one warm-up window: any sync that
+    syncs.named_sync does not name raises; the named ones are counted, one decode-stream drain
+    per micro-batch and one window end per window. Would catch: a blocking copy per warped item
+    (torch.tensor(inverse, device=cuda), so until issue #22), an .item() in the loop, or a
+    named sync made more often than the docs say."""
+    from cloudseg import syncs
+    from cloudseg.engine import StepContext, train_step
+    from tests.test_decode import ALL, KEYS, transform_for
+
+    device = gpu()
+    dataset = CloudDataset(tiny_data, decode="gpu")
+    dataset.transform = transform_for(ALL, dataset.image_size)
+    loader = make_loader(dataset, DataConfig(num_workers=2), 2, device, sampler=KEYS)
+    batches = list(loader)  # 4 micro-batches of 2: 2 windows
+    model = build_model(load_config("configs/demo.yaml", TINY).model, pretrained=False)
+    model = prepare_for_training(model.to(device).train(), channels_last=True, checkpointing="none")
+    dtype = autocast_dtype("auto", device)
+    ctx = StepContext(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                      torch.amp.GradScaler("cuda", enabled=dtype == torch.float16), device, dtype)
+    train_step(ctx, batches[:2])  # warm-up: cuDNN's and the allocator's first calls
+    before = dict(syncs.counts)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = train_step(ctx, batches[2:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    made = {name: count - before.get(name, 0) for name, count in syncs.counts.items() if count != before.get(name, 0)}
+    assert made == {"decode stream": 2, "window end": 1}
+    assert math.isfinite(result.loss)
 
 
 # ---------------------------------------------------------------------------------- training steps
