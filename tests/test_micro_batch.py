@@ -105,3 +105,28 @@ def test_memory_command_runs_on_cpu_for_the_demo_config(capsys):
     for mode in ("none", "encoder", "full"):
         assert any(line.startswith(mode) for line in out.splitlines())
     assert "80 GB" in out and "11 GB" in out
+
+
+def test_the_retry_frees_the_failed_attempt_s_tensors_before_emptying_the_cache(monkeypatch):
+    """On the CPU, the cache's release replaced by a probe: when the retry returns cached memory,
+    a tensor that the failed forward held (as activations are held by the error's traceback)
+    must already be gone, or torch.cuda.empty_cache() could not give its memory back. Would
+    catch: empty_cache called inside the except block (so until issue #22)."""
+    import weakref
+
+    from cloudseg import engine
+
+    held, alive_at_release = [], []
+
+    def failing_forward(module, args):
+        if torch.is_grad_enabled() and len(args[0]) > 1:
+            activation = torch.empty(1000)  # a local of the failing frame, which the traceback keeps
+            held.append(weakref.ref(activation))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(engine, "return_cached_memory",
+                        lambda device: alive_at_release.append(any(ref() is not None for ref in held)))
+    net, sgd = model_and_sgd()
+    net.register_forward_pre_hook(failing_forward)
+    assert run_windows(net, sgd, micro_batch=2, n_images=4, accumulation=1, loader_batch=2) == 1
+    assert held and alive_at_release == [False]
