@@ -36,8 +36,8 @@ from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.engine import StepContext, StepResult, resilient_step, windows
 from cloudseg.files import atomic_path
 from cloudseg.flops import peak_seconds_per_image
-from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_usable_device, resolve_device,
-                               resolve_precision, speed_switches)
+from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_deterministic_kernels, require_usable_device,
+                               resolve_device, resolve_precision, speed_switches)
 from cloudseg.loss import per_image_loss
 from cloudseg.memory import resolve_checkpointing, resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
@@ -171,7 +171,9 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
 def training_model(config: Config, image_size, device: torch.device) -> CloudNet:
     """The model on `device` with the memory switches of `train.*`; `checkpointing` and
     `micro_batch` are resolved into `config` (probed on a GPU where they are auto)."""
-    model = build_model(config.model).to(device)
+    model = build_model(config.model)
+    require_deterministic_kernels(model, image_size, device, config.train.deterministic)  # before any probe's backward
+    model = model.to(device)
     if config.model.norm == "frozen" and config.model.encoder_weights is None:
         log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
     prepare_for_training(model, config.train.channels_last, "none")

@@ -25,12 +25,14 @@ from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.data import CloudDataset, collate
-from cloudseg.hardware import autocast_dtype
+from cloudseg.hardware import (autocast_dtype, nondeterministic_cuda_backward, require_deterministic_kernels,
+                               speed_switches)
 from cloudseg.model import build_model, prepare_for_training, set_checkpointing
 from cloudseg.predict import batch_probabilities, load_model, predict
 from cloudseg.train import Interrupted, train
 from tests.conftest import TINY, signal_during
 from tests.fake_cuda import Card
+from tests.test_determinism import tiny_model
 
 # train.deterministic needs this before the process's first cuBLAS call (hardware.speed_switches
 # sets it too, but an earlier test of this process may have called cuBLAS already).
@@ -362,6 +364,25 @@ def test_deterministic_resume_on_the_gpu_is_bit_exact(data_copy, tmp_path, wrap_
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
     a, b = pd.read_csv(tmp_path / "straight/metrics.csv"), pd.read_csv(tmp_path / "stopped/metrics.csv")
     assert a["valid_loss"].tolist() == b["valid_loss"].tolist()
+
+
+@pytest.mark.parametrize("arch", ["unet", "unetplusplus", "fpn"])
+def test_a_deterministic_step_of_each_architecture_runs_on_the_gpu_or_is_refused_first(arch, switches_restored):
+    """train.deterministic=true, each model.arch: either the CPU-side check
+    (hardware.nondeterministic_cuda_backward) finds an operation and training refuses with its
+    message, or a real forward and backward run under PyTorch's deterministic mode without its
+    RuntimeError. Would catch: an operation the check misses (the step raises here), and a check
+    that refuses what the GPU runs (the walk's verdict must match the step's). Assumes: nothing."""
+    speed_switches(gpu(), deterministic=True)
+    model = tiny_model(arch)
+    found = nondeterministic_cuda_backward(model, (64, 96))
+    if found:
+        with pytest.raises(ValueError, match="train.deterministic=true: the backward of"):
+            require_deterministic_kernels(model, (64, 96), gpu(), deterministic=True)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            memory.probe_step(model.to(gpu()).train(), 2, (64, 96), gpu(), None)
+    else:
+        memory.probe_step(model.to(gpu()).train(), 2, (64, 96), gpu(), None)  # raises if an op has no kernel
 
 
 # A resumed run's distance from a straight run (relative_distance) may be this many times the
