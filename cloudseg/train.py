@@ -241,6 +241,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
     `train.max_skipped_windows` of them in a row stop the run.
     """
     config, device, world = run.config, run.step.device, distributed.world_size()
+    reset_peak_memory(device)
     run.sampler.set_epoch(epoch, start=progress.windows * config.train.effective_batch)
     train_mode(run.step.model, config.model.norm)
     desc = f"epoch {epoch + 1}/{config.train.epochs}"
@@ -440,7 +441,7 @@ def epoch_row(epoch: int, scheduler, progress: Progress, validation: dict, devic
     return {"epoch": epoch + 1, "step": scheduler.last_epoch, "lr": scheduler.get_last_lr()[0],
             "train_loss": float(np.mean(losses)) if losses else math.nan, **validation,
             "images_per_s": images_per_s, "mfu": images_per_s * peak_seconds,
-            "peak_memory_mb": peak_memory_mb(device), "skipped_windows": progress.skipped_windows,
+            **peak_memory_mb(device), "skipped_windows": progress.skipped_windows,
             "skipped_samples": len(progress.skipped_samples)}
 
 
@@ -503,8 +504,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory allocated on a GPU; on CPU, the process's peak resident memory."""
+def reset_peak_memory(device: torch.device) -> None:
+    """At an epoch's start (after the probes of training_model): the peaks of metrics.csv are this
+    epoch's, its training windows and its validation. The CPU's peak cannot be reset."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """The epoch's peaks for metrics.csv. On a GPU, PyTorch's allocator: `peak_allocated_mb`
+    (tensors) and `peak_reserved_mb` (what the allocator held from the GPU, cached blocks
+    included: the one that runs out). Neither counts memory outside the allocator (the CUDA
+    context, cuDNN's and nvJPEG's own buffers). On the CPU, `peak_allocated_mb` is NaN (no
+    allocator statistics) and `peak_reserved_mb` the process's peak resident memory since it
+    started (the operating system keeps no per-epoch peak)."""
+    if device.type == "cuda":
+        return {"peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+    resident_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+    return {"peak_allocated_mb": math.nan, "peak_reserved_mb": resident_mb}

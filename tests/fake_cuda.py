@@ -40,6 +40,7 @@ class Card:
     reserved: int = 0  # what this process's allocator holds
     fraction: float = 1.0  # set_per_process_memory_fraction's cap
     peak: int = 0  # max_memory_allocated since the last reset
+    peak_reserved: int = 0  # max_memory_reserved since the last reset
 
 
 GTX_1080_TI = Card("NVIDIA GeForce GTX 1080 Ti", (6, 1), 11264 * 2**20)
@@ -94,7 +95,7 @@ class FakeCuda:
 
     def reset_peak(self, device=None) -> None:
         card = self.card(device, error=RuntimeError)
-        card.peak = 0
+        card.peak = card.peak_reserved = 0
         self.calls.append(("reset_peak_memory_stats", self.cards.index(card)))
 
     def synchronize(self, device=None) -> None:
@@ -116,6 +117,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.card(device, error=RuntimeError).reserved)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.card(device, error=RuntimeError).peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.card(device, error=RuntimeError).peak_reserved)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset_peak)
         monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.calls.append(("empty_cache",)))
