@@ -270,11 +270,12 @@ def run_config(args) -> None:
 def run_memory(args) -> None:
     from cloudseg.config import load_config
     from cloudseg.memory import capped, report
-    from cloudseg.hardware import resolve_device
+    from cloudseg.hardware import resolve_device, speed_switches
 
     config = load_config(args.config, args.overrides)
     micro_batch = args.micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 4)
     device = resolve_device(config.train.device)
+    speed_switches(device, config.train.deterministic)  # as train.start does: the step training runs
     if args.limit_gb is None:
         print(report(config, micro_batch, device))
     elif device.type != "cuda":

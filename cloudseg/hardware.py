@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 log = logging.getLogger("cloudseg")
 
@@ -124,6 +125,88 @@ def speed_switches(device: torch.device, deterministic: bool = False) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not deterministic
         torch.backends.cudnn.deterministic = deterministic
+
+
+# Autograd nodes whose CUDA kernel PyTorch has no deterministic version of: under
+# torch.use_deterministic_algorithms(True) the backward raises a RuntimeError on a GPU (the CPU
+# runs it). From PyTorch's list in the docs of torch.use_deterministic_algorithms, "will throw a
+# RuntimeError when mode=True", CUDA entries that autograd records as one node
+# (docs.pytorch.org/docs/stable/generated/torch.use_deterministic_algorithms.html, read for
+# torch 2.14, and the same docstring in the pinned 2.15). That list still names interpolate's
+# linear modes, but since torch 2.1 F.interpolate routes a CUDA input under deterministic mode to
+# a decomposition whose backward is a deterministic index_put: those nodes appear only in a graph
+# built without it. Left out: entries that throw in the forward already (NLLLoss, histc, bincount,
+# median, put_) and those a node name cannot tell apart (EmbeddingBag's max mode, scatter_reduce).
+NO_DETERMINISTIC_CUDA_BACKWARD = {
+    "AvgPool3DBackward0": "torch.nn.AvgPool3d",
+    "AdaptiveAvgPool2DBackward0": "torch.nn.AdaptiveAvgPool2d",
+    "AdaptiveAvgPool3DBackward0": "torch.nn.AdaptiveAvgPool3d",
+    "AdaptiveMaxPool2DBackward0": "torch.nn.AdaptiveMaxPool2d",
+    "FractionalMaxPool2DBackward0": "torch.nn.FractionalMaxPool2d",
+    "FractionalMaxPool3DBackward0": "torch.nn.FractionalMaxPool3d",
+    "MaxUnpool2DBackward0": "torch.nn.MaxUnpool2d",  # MaxUnpool1d runs it too
+    "MaxUnpool3DBackward0": "torch.nn.MaxUnpool3d",
+    "UpsampleLinear1DBackward0": "torch.nn.functional.interpolate (linear)",
+    "UpsampleBilinear2DBackward0": "torch.nn.functional.interpolate (bilinear)",
+    "UpsampleBilinear2DAaBackward0": "torch.nn.functional.interpolate (bilinear, antialias)",
+    "UpsampleBicubic2DBackward0": "torch.nn.functional.interpolate (bicubic)",
+    "UpsampleBicubic2DAaBackward0": "torch.nn.functional.interpolate (bicubic, antialias)",
+    "UpsampleTrilinear3DBackward0": "torch.nn.functional.interpolate (trilinear)",
+    "ReflectionPad1DBackward0": "torch.nn.ReflectionPad1d",
+    "ReflectionPad2DBackward0": "torch.nn.ReflectionPad2d",
+    "ReflectionPad3DBackward0": "torch.nn.ReflectionPad3d",
+    "CtcLossBackward0": "torch.nn.CTCLoss",
+    "GridSampler2DBackward0": "torch.nn.functional.grid_sample",
+    "GridSampler3DBackward0": "torch.nn.functional.grid_sample",
+}
+
+
+def nondeterministic_cuda_backward(model: torch.nn.Module, image_size, device: str = "cuda") -> list[str]:
+    """The operations of `model`'s graph whose backward has no deterministic CUDA kernel (see
+    NO_DETERMINISTIC_CUDA_BACKWARD), as the graph is on `device` under deterministic mode.
+
+    One forward of a uint8 image of `image_size`, in training mode, on fake tensors (shapes only,
+    no memory, any machine: FakeTensorMode's CUDA tensors need no GPU), then a walk of the autograd
+    graph. The model is left as it was: its weights and buffers are swapped for fake ones only
+    for the call. Fake CUDA tensors take the same Python branches as real ones (F.interpolate's
+    deterministic route among them), which a graph built on the CPU would not."""
+    was_training, was_deterministic = model.training, torch.are_deterministic_algorithms_enabled()
+    fake = FakeTensorMode()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with fake:
+            state = {name: fake.from_tensor(tensor).to(device)
+                     for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+            image = torch.zeros(1, 3, *image_size, dtype=torch.uint8, device=device)
+            output = torch.func.functional_call(model.train(), state, (image,))
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        model.train(was_training)
+    found, seen, stack = [], set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        operation = NO_DETERMINISTIC_CUDA_BACKWARD.get(type(node).__name__)
+        if operation and operation not in found:
+            found.append(operation)
+        stack += [parent for parent, _ in node.next_functions]
+    return found
+
+
+def require_deterministic_kernels(model: torch.nn.Module, image_size, device: torch.device,
+                                  deterministic: bool) -> None:
+    """train.deterministic=true on a GPU: refuse, before any step, a model with an operation whose
+    backward PyTorch can only run nondeterministically there (it would raise at the first backward)."""
+    if not deterministic or device.type != "cuda":
+        return
+    found = nondeterministic_cuda_backward(model, image_size)
+    if found:
+        raise ValueError(f"train.deterministic=true: the backward of {', '.join(found)} in this model has no "
+                         f"deterministic CUDA kernel in PyTorch {torch.__version__}; set train.deterministic=false "
+                         "(fastest kernels, runs differ in their last bits), train on the CPU, or choose a "
+                         "model.arch/model.encoder without it")
 
 
 # ---------------------------------------------------------------------------------- precision

@@ -11,13 +11,17 @@ included). Without a GPU they are estimated by running the same step on fake ten
 and adding up the bytes of every tensor alive at each moment, gradients and the backward's
 transients included. What that cannot see is what the GPU adds around the tensors: cuDNN's
 workspaces and the allocator's rounding, which the safety margin covers.
+
+Neither sees memory outside PyTorch's caching allocator, which a per-process cap does not bound
+either: the kernels and handles of cuDNN and cuBLAS, and with `data.decode: gpu` (auto on CUDA)
+nvJPEG's own buffers. `outside_allocator` adds an assumed figure for it to every plan.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -27,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from cloudseg import distributed
 from cloudseg.config import Config, apply_overrides, from_dict
 from cloudseg.data import padded_shape
+from cloudseg.decode import resolve_decode
 from cloudseg.engine import StepContext, accumulate, resilient_step
 from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision
 from cloudseg.model import (CHECKPOINTING_MODES, CloudNet, build_model, norm_statistics, prepare_for_training,
@@ -37,6 +42,11 @@ log = logging.getLogger("cloudseg")
 
 CARDS_GB = (6, 8, 11, 16, 24, 40, 80)
 SAFETY_MARGIN = 0.10  # keep 10% of the card free for fragmentation, workspaces and the CUDA context
+# Memory outside PyTorch's allocator during a training step: ASSUMED, NOT MEASURED (no GPU has run
+# this accounting yet; docs/memory-and-gpus.md says how to measure it and why these figures).
+LIBRARY_BYTES = 256 * 2**20  # cuDNN's and cuBLAS's handles and the kernels they load at first use
+NVJPEG_STATE_BYTES = 128 * 2**20  # data.decode gpu: nvJPEG's handle, decoder state, bitstream buffers
+NVJPEG_BYTES_PER_PIXEL = 3  # and per image of the micro-batch, one H×W×3 buffer of its own
 PLANNED_MICRO_BATCH = 4  # what checkpointing auto plans for when train.micro_batch is auto too
 
 
@@ -49,18 +59,24 @@ class StepMemory:
     optimizer: float
     activations_per_image: float
     other: float = 0.0  # fixed bytes beyond weights, gradients and AdamW (weight casts, workspaces)
+    outside: float = 0.0  # fixed bytes outside PyTorch's allocator (assumed, see `outside_allocator`)
+    outside_per_image: float = 0.0  # and per image of the micro-batch
 
     @property
     def fixed(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.other
+        return self.weights + self.gradients + self.optimizer + self.other + self.outside
+
+    @property
+    def per_image(self) -> float:
+        return self.activations_per_image + self.outside_per_image
 
     def peak(self, micro_batch: int) -> float:
-        return self.fixed + micro_batch * self.activations_per_image
+        return self.fixed + micro_batch * self.per_image
 
     def largest_micro_batch(self, capacity_bytes: float, margin: float = SAFETY_MARGIN) -> int:
         """Largest micro-batch whose peak stays under capacity minus the margin (0 = none fits)."""
         room = (1 - margin) * capacity_bytes - self.fixed
-        return max(0, int(room // self.activations_per_image))
+        return max(0, int(room // self.per_image))
 
     @classmethod
     def from_peaks(cls, one: float, two: float, weights: int) -> StepMemory:
@@ -69,8 +85,26 @@ class StepMemory:
         return cls(weights, weights, 2 * weights, per_image, other=one - per_image - 4 * weights)
 
 
+def outside_allocator(config: Config, image_size, micro_batch: int) -> float:
+    """Bytes a CUDA training step at `micro_batch` holds outside PyTorch's allocator, which no
+    probe measures: the libraries' (LIBRARY_BYTES), and where images decode on the GPU
+    (`data.decode`), nvJPEG's state and a buffer per image of `image_size`. Assumed figures."""
+    if resolve_decode(config.data.decode, "cuda") != "gpu":
+        return LIBRARY_BYTES
+    height, width = image_size
+    return LIBRARY_BYTES + NVJPEG_STATE_BYTES + micro_batch * NVJPEG_BYTES_PER_PIXEL * height * width
+
+
+def with_outside(steps: dict[str, StepMemory], config: Config, image_size) -> dict[str, StepMemory]:
+    """`steps` (allocator bytes, measured or estimated) with the assumed bytes outside it."""
+    fixed = outside_allocator(config, image_size, 0)
+    per_image = outside_allocator(config, image_size, 1) - fixed
+    return {mode: replace(step, outside=fixed, outside_per_image=per_image) for mode, step in steps.items()}
+
+
 def largest_fitting(candidates, peak_of, capacity_bytes: float, margin: float = SAFETY_MARGIN) -> int:
-    """The largest candidate micro-batch whose measured peak fits; `peak_of(n)` may raise OOM."""
+    """The largest candidate micro-batch whose peak fits; `peak_of(n)` (the bytes n needs, outside
+    the allocator included) may raise OOM."""
     for micro_batch in sorted(candidates, reverse=True):
         try:
             peak = peak_of(micro_batch)
@@ -161,7 +195,8 @@ def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, w
         log.info("train.checkpointing=auto on %s: none (nothing to probe)", device)
         return "none"
     micro_batch = planned_micro_batch(config, world)
-    capacity = (1 - SAFETY_MARGIN) * available_bytes(device)
+    outside = outside_allocator(config, image_size, micro_batch)
+    capacity = (1 - SAFETY_MARGIN) * available_bytes(device) - outside
     buckets = parameter_bytes(model) if world > 1 else 0  # DDP's gradient buckets
     peaks = {}
     for mode in CHECKPOINTING_MODES:
@@ -175,8 +210,9 @@ def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, w
     fits = peaks[mode] is not None and peaks[mode] <= capacity
     agreed = CHECKPOINTING_MODES[distributed.largest(CHECKPOINTING_MODES.index(mode), device)]
     probed = ", ".join(f"{m} {'out of memory' if p is None else f'{p / 2**30:.2f} GiB'}" for m, p in peaks.items())
-    log.info("train.checkpointing=auto: %s (micro-batch %d: %s; %.2f GiB usable%s)", agreed, micro_batch, probed,
-             capacity / 2**30, "" if agreed == mode else f"; {mode} fits this GPU, {agreed} every process's")
+    log.info("train.checkpointing=auto: %s (micro-batch %d: %s; %.2f GiB usable, %.2f GiB more assumed outside "
+             "PyTorch's allocator%s)", agreed, micro_batch, probed, capacity / 2**30, outside / 2**30,
+             "" if agreed == mode else f"; {mode} fits this GPU, {agreed} every process's")
     if distributed.largest(int(not fits), device):  # on every rank, or their micro-batch probes would not pair up
         log.warning("even train.checkpointing=full does not fit micro-batch %d: train.micro_batch shrinks (auto)",
                     micro_batch)
@@ -200,8 +236,8 @@ def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, wor
         log.info("train.micro_batch=auto on %s: nothing to probe, using %d", device, chosen)
         return chosen
     buckets = parameter_bytes(model) if world > 1 else 0  # DDP's gradient buckets: one more copy of the gradients
-    chosen = largest_fitting(candidates, lambda n: measured_peak(model, config, n, image_size, device) + buckets,
-                             available_bytes(device))
+    chosen = largest_fitting(candidates, lambda n: measured_peak(model, config, n, image_size, device) + buckets
+                             + outside_allocator(config, image_size, n), available_bytes(device))
     agreed = distributed.smallest(chosen, device)
     if agreed != chosen:
         log.info("train.micro_batch=auto: %d fits this GPU, %d fits every process's", chosen, agreed)
@@ -387,17 +423,22 @@ def report(config: Config, micro_batch: int, device) -> str:
         precision = "auto (bf16 from compute capability 8.0, fp16 before)" if config.train.precision == "auto" \
             else config.train.precision
         steps, how = estimate(config, image_size), "estimated on CPU (the step run on fake tensors)"
+    steps = with_outside(steps, config, image_size)
     height, width = padded_shape(image_size)
     gib = 2**30
     lines = [f"{config.model.arch}-{config.model.encoder} at {image_size[0]}x{image_size[1]} (padded {height}x{width}), "
              f"{precision}, channels_last={config.train.channels_last}: {how}", "",
              f"breakdown at micro-batch {micro_batch} (GiB)",
-             f"{'checkpointing':<14}{'weights':>9}{'grads':>9}{'AdamW':>9}{'other':>9}{'activ.':>9}{'total':>9}"]
+             f"{'checkpointing':<14}{'weights':>9}{'grads':>9}{'AdamW':>9}{'other':>9}{'activ.':>9}{'outside':>9}"
+             f"{'total':>9}"]
     for mode, step in steps.items():
+        outside = step.outside + micro_batch * step.outside_per_image
         lines.append(f"{mode:<14}{step.weights / gib:>9.2f}{step.gradients / gib:>9.2f}{step.optimizer / gib:>9.2f}"
-                     f"{step.other / gib:>9.2f}"
-                     f"{micro_batch * step.activations_per_image / gib:>9.2f}{step.peak(micro_batch) / gib:>9.2f}")
-    lines += ["", f"largest micro-batch that fits, keeping {SAFETY_MARGIN:.0%} free (0 = none)",
+                     f"{step.other / gib:>9.2f}{micro_batch * step.activations_per_image / gib:>9.2f}"
+                     f"{outside / gib:>9.2f}{step.peak(micro_batch) / gib:>9.2f}")
+    lines += ["(outside: outside PyTorch's allocator, assumed: cuDNN's and cuBLAS's kernels, and nvJPEG's buffers "
+              "where data.decode is gpu; docs/memory-and-gpus.md)",
+              "", f"largest micro-batch that fits, keeping {SAFETY_MARGIN:.0%} free (0 = none)",
               f"{'checkpointing':<14}" + "".join(f"{f'{gb} GB':>9}" for gb in CARDS_GB)]
     for mode, step in steps.items():
         lines.append(f"{mode:<14}" + "".join(f"{step.largest_micro_batch(gb * 1e9):>9}" for gb in CARDS_GB))

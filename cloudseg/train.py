@@ -36,8 +36,8 @@ from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.engine import StepContext, StepResult, resilient_step, windows
 from cloudseg.files import atomic_path
 from cloudseg.flops import peak_seconds_per_image
-from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_usable_device, resolve_device,
-                               resolve_precision, speed_switches)
+from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_deterministic_kernels, require_usable_device,
+                               resolve_device, resolve_precision, speed_switches)
 from cloudseg.loss import per_image_loss
 from cloudseg.memory import resolve_checkpointing, resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
@@ -175,7 +175,9 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
 def training_model(config: Config, image_size, device: torch.device) -> CloudNet:
     """The model on `device` with the memory switches of `train.*`; `checkpointing` and
     `micro_batch` are resolved into `config` (probed on a GPU where they are auto)."""
-    model = build_model(config.model).to(device)
+    model = build_model(config.model)
+    require_deterministic_kernels(model, image_size, device, config.train.deterministic)  # before any probe's backward
+    model = model.to(device)
     if config.model.norm == "frozen" and config.model.encoder_weights is None:
         log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
     prepare_for_training(model, config.train.channels_last, "none")
@@ -243,6 +245,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
     `train.max_skipped_windows` of them in a row stop the run.
     """
     config, device, world = run.config, run.step.device, distributed.world_size()
+    reset_peak_memory(device)
     run.sampler.set_epoch(epoch, start=progress.windows * config.train.effective_batch)
     train_mode(run.step.model, config.model.norm)
     desc = f"epoch {epoch + 1}/{config.train.epochs}"
@@ -442,7 +445,7 @@ def epoch_row(epoch: int, scheduler, progress: Progress, validation: dict, devic
     return {"epoch": epoch + 1, "step": scheduler.last_epoch, "lr": scheduler.get_last_lr()[0],
             "train_loss": float(np.mean(losses)) if losses else math.nan, **validation,
             "images_per_s": images_per_s, "mfu": images_per_s * peak_seconds,
-            "peak_memory_mb": peak_memory_mb(device), "skipped_windows": progress.skipped_windows,
+            **peak_memory_mb(device), "skipped_windows": progress.skipped_windows,
             "skipped_samples": len(progress.skipped_samples)}
 
 
@@ -512,8 +515,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory allocated on a GPU; on CPU, the process's peak resident memory."""
+def reset_peak_memory(device: torch.device) -> None:
+    """At an epoch's start (after the probes of training_model): the peaks of metrics.csv are this
+    epoch's, its training windows and its validation. The CPU's peak cannot be reset."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """The epoch's peaks for metrics.csv. On a GPU, PyTorch's allocator: `peak_allocated_mb`
+    (tensors) and `peak_reserved_mb` (what the allocator held from the GPU, cached blocks
+    included: the one that runs out). Neither counts memory outside the allocator (the CUDA
+    context, cuDNN's and nvJPEG's own buffers). On the CPU, `peak_allocated_mb` is NaN (no
+    allocator statistics) and `peak_reserved_mb` the process's peak resident memory since it
+    started (the operating system keeps no per-epoch peak)."""
+    if device.type == "cuda":
+        return {"peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+    resident_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+    return {"peak_allocated_mb": math.nan, "peak_reserved_mb": resident_mb}

@@ -204,6 +204,71 @@ def test_checkpointing_auto_agrees_across_processes_on_the_most_recomputation(ti
     assert config.train.micro_batch == "auto"  # every rank probes the micro-batch, or the all-reduces would hang
 
 
+# The assumed bytes outside PyTorch's allocator that the hand-computed figures below use.
+FULL_IMAGE = (1400, 2100)
+NVJPEG_PER_IMAGE = 3 * 1400 * 2100  # 8.82 MB
+
+
+def test_the_assumed_figures_outside_the_allocator_are_the_documented_ones(tiny_model):
+    """Would catch: a change of the assumed figures without the docs (docs/memory-and-gpus.md
+    states 256 MiB, 128 MiB and H×W×3 per image), nvJPEG counted where images decode on the CPU,
+    and its buffers not growing with the micro-batch."""
+    _, config = tiny_model
+    assert (memory.LIBRARY_BYTES, memory.NVJPEG_STATE_BYTES) == (256 * 2**20, 128 * 2**20)
+    config.data.decode = "auto"  # gpu on CUDA
+    assert memory.outside_allocator(config, FULL_IMAGE, 4) == 384 * 2**20 + 4 * NVJPEG_PER_IMAGE
+    config.data.decode = "cpu"
+    assert memory.outside_allocator(config, FULL_IMAGE, 4) == 256 * 2**20
+
+
+@pytest.mark.parametrize("decode, expected", [("auto", "encoder"), ("cpu", "none")])
+def test_checkpointing_auto_keeps_room_for_memory_outside_the_allocator(tiny_model, fake_cuda, monkeypatch,
+                                                                        decode, expected):
+    """10 GiB free: 9 GiB under the margin. none's allocator peak, 8.70 GiB, fits beside the
+    libraries' 0.25 GiB (8.75 GiB left) but not beside nvJPEG's too (0.375 GiB + 4 × 8.82 MB:
+    8.59 GiB left), which data.decode auto brings on CUDA. Would catch: the margin alone (none
+    with the GPU decode: nvJPEG's buffers, outside the allocator and the cap, would be a crash
+    under DDP), and nvJPEG counted for a CPU decode. Device: fake CUDA."""
+    model, config = tiny_model
+    config.train.checkpointing, config.train.micro_batch, config.data.decode = "auto", 4, decode
+    fake_cuda(Card("a shared GPU", (9, 0), 80 * GiB, free=10 * GiB))
+    fake_probes(monkeypatch, lambda mode, n: {"none": 8.70 * GiB, "encoder": 7 * GiB, "full": 6 * GiB}[mode])
+    assert memory.resolve_checkpointing(config, model, FULL_IMAGE, GPU0) == expected
+
+
+@pytest.mark.parametrize("decode, expected", [("auto", 4), ("cpu", 8)])
+def test_micro_batch_auto_keeps_room_for_nvjpeg_s_buffers_per_image(tiny_model, fake_cuda, monkeypatch,
+                                                                   decode, expected):
+    """Allocator peaks of 1.08 GiB per image, 9 GiB under the margin: 8 images (8.64 GiB) fit
+    beside the libraries' 0.25 GiB (8.89), not beside nvJPEG's state and eight buffers too
+    (0.44 GiB: 9.08). Would catch: the margin alone (8 with the GPU decode) and nvJPEG's
+    per-image buffers left out. Device: fake CUDA."""
+    model, config = tiny_model
+    config.train.micro_batch, config.train.effective_batch, config.data.decode = "auto", 16, decode
+    fake_cuda(Card("a shared GPU", (9, 0), 80 * GiB, free=10 * GiB))
+    fake_probes(monkeypatch, lambda mode, n: n * 1.08 * GiB)
+    assert memory.resolve_micro_batch(config, model, FULL_IMAGE, GPU0) == expected
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cloudseg_memory_measures_with_the_switches_training_uses(fake_cuda, monkeypatch, capsys, deterministic):
+    """train.start turns cuDNN's benchmark on (off with train.deterministic) before its probes;
+    `cloudseg memory` must measure the same step. Would catch: the memory command leaving the
+    switches as they were (benchmark off: other algorithms and workspaces than training's), and
+    ignoring train.deterministic. Device: fake CUDA, the report itself replaced."""
+    fake_cuda(H100)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, **kwargs: seen.append(("algorithms", mode)))
+    seen = []
+    monkeypatch.setattr(memory, "report", lambda config, n, device: seen.append(
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)) or "report")
+    assert main(["memory", "-c", "configs/demo.yaml", "train.device=cuda",
+                 f"train.deterministic={str(deterministic).lower()}"]) == 0
+    assert seen == ([("algorithms", True)] if deterministic else []) + [(not deterministic, deterministic)]
+
+
 def test_checkpointing_auto_on_the_cpu_is_none_and_explicit_modes_pass(tiny_model):
     """Would catch: probing on a CPU (no allocator to read) and overriding an explicit choice."""
     model, config = tiny_model
@@ -234,6 +299,7 @@ def test_memory_limit_gb_caps_the_gpu_it_names_and_reports_every_precision_and_m
     the crash of 2026-11-23 (the cap given torch.device("cuda"), which torch refuses), a cap
     computed against something other than the card's total, and a precision or mode left out."""
     cuda = fake_cuda(H100)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # restored after
     steps = []
     monkeypatch.setattr(memory, "capped_steps", lambda config, n, size, device: steps.append(
         (config.train.precision, config.train.checkpointing, n, device)) or (3 * GiB, n, 4))

@@ -27,13 +27,15 @@ from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import DataConfig, load_config
 from cloudseg.data import CloudDataset, collate, make_loader
-from cloudseg.hardware import autocast_dtype
+from cloudseg.hardware import (autocast_dtype, nondeterministic_cuda_backward, require_deterministic_kernels,
+                               speed_switches)
 from cloudseg.model import build_model, prepare_for_training, set_checkpointing
 from cloudseg.predict import batch_probabilities, load_model, predict
 from cloudseg.synth import synthesize
 from cloudseg.train import Interrupted, train
 from tests.conftest import TINY, signal_during
 from tests.fake_cuda import Card
+from tests.test_determinism import tiny_model
 
 # train.deterministic needs this before the process's first cuBLAS call (hardware.speed_switches
 # sets it too, but an earlier test of this process may have called cuBLAS already).
@@ -82,11 +84,11 @@ DEVICE_CALLS = {
     "mem_get_info": lambda d: torch.cuda.mem_get_info(d),
     "memory_reserved": lambda d: torch.cuda.memory_reserved(d),
     "max_memory_allocated": lambda d: torch.cuda.max_memory_allocated(d),
+    "max_memory_reserved": lambda d: torch.cuda.max_memory_reserved(d),
     "reset_peak_memory_stats": lambda d: torch.cuda.reset_peak_memory_stats(d),
     "synchronize": lambda d: torch.cuda.synchronize(d),
     "set_per_process_memory_fraction": lambda d: torch.cuda.set_per_process_memory_fraction(1.0, d),
     "get_per_process_memory_fraction": lambda d: torch.cuda.get_per_process_memory_fraction(d),
-    "max_memory_reserved": lambda d: torch.cuda.max_memory_reserved(d),
     "current_stream": lambda d: torch.cuda.current_stream(d),
     "Stream": lambda d: torch.cuda.Stream(d),
     "get_rng_state": lambda d: torch.cuda.get_rng_state(d),
@@ -453,7 +455,7 @@ def test_cloudseg_memory_measures_on_the_gpu(capsys):
     breakdown, fits = rows[:3], rows[3:]
     assert [row[0] for row in rows] == ["none", "encoder", "full"] * 2
     weights = {float(row[1]) for row in breakdown}  # one model in every mode
-    assert len(weights) == 1 and weights.pop() > 0 and all(float(row[6]) > 0 for row in breakdown)
+    assert len(weights) == 1 and weights.pop() > 0 and all(float(row[-1]) > 0 for row in breakdown)
     assert all(int(row[-1]) >= 2 for row in fits)  # the 80 GB column
 
 
@@ -511,6 +513,25 @@ def test_deterministic_resume_on_the_gpu_is_bit_exact(data_copy, tmp_path, wrap_
     assert a["valid_loss"].tolist() == b["valid_loss"].tolist()
 
 
+@pytest.mark.parametrize("arch", ["unet", "unetplusplus", "fpn"])
+def test_a_deterministic_step_of_each_architecture_runs_on_the_gpu_or_is_refused_first(arch, switches_restored):
+    """train.deterministic=true, each model.arch: either the CPU-side check
+    (hardware.nondeterministic_cuda_backward) finds an operation and training refuses with its
+    message, or a real forward and backward run under PyTorch's deterministic mode without its
+    RuntimeError. Would catch: an operation the check misses (the step raises here), and a check
+    that refuses what the GPU runs (the walk's verdict must match the step's). Assumes: nothing."""
+    speed_switches(gpu(), deterministic=True)
+    model = tiny_model(arch)
+    found = nondeterministic_cuda_backward(model, (64, 96))
+    if found:
+        with pytest.raises(ValueError, match="train.deterministic=true: the backward of"):
+            require_deterministic_kernels(model, (64, 96), gpu(), deterministic=True)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            memory.probe_step(model.to(gpu()).train(), 2, (64, 96), gpu(), None)
+    else:
+        memory.probe_step(model.to(gpu()).train(), 2, (64, 96), gpu(), None)  # raises if an op has no kernel
+
+
 # A resumed run's distance from a straight run (relative_distance) may be this many times the
 # distance between two straight runs, plus FLOOR: both are draws of the same GPU noise, so the
 # bound needs slack above 1, and where two straight runs happen to agree bit for bit the floor
@@ -556,8 +577,8 @@ def test_checkpointing_auto_picks_encoder_under_a_cap_between_the_none_and_encod
                                                                                          monkeypatch):
     """The peaks of `none` and `encoder` measured as the planner measures them (UNet-ResNet34,
     micro-batch 4, precision auto, 640x960), then this process capped so that the usable memory
-    (the cap less the 10% margin) falls halfway between them: auto must pick `encoder`. Would
-    catch: the cap not read (auto picks none: the GPU's whole memory), the margin ignored, the
+    (the cap less the 10% margin and the bytes assumed outside the allocator) falls halfway
+    between them: auto must pick `encoder`. Would catch: the cap not read (auto picks none: the GPU's whole memory), the margin ignored, the
     modes tried in another order, an out-of-memory probe not caught. Assumes: cuDNN's benchmark
     off (its workspaces grow with the free memory, so an uncapped peak would overstate a capped
     one); encoder saving at least 5% of the peak at this size (about 20% at full size on the
@@ -572,7 +593,7 @@ def test_checkpointing_auto_picks_encoder_under_a_cap_between_the_none_and_encod
         set_checkpointing(model, mode)
         peaks[mode] = memory.measured_peak(model, config, 4, CHECKPOINTING_SIZE, gpu())
     assert peaks["encoder"] < 0.95 * peaks["none"], peaks  # room for a cap between them
-    usable = (peaks["none"] + peaks["encoder"]) / 2
+    usable = (peaks["none"] + peaks["encoder"]) / 2 + memory.outside_allocator(config, CHECKPOINTING_SIZE, 4)
     total = torch.cuda.get_device_properties(gpu()).total_memory
     torch.cuda.set_per_process_memory_fraction(usable / (1 - memory.SAFETY_MARGIN) / total, gpu())
     assert memory.resolve_checkpointing(config, model, CHECKPOINTING_SIZE, gpu()) == "encoder"

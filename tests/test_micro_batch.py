@@ -96,6 +96,15 @@ def test_step_memory_arithmetic():
     assert step.largest_micro_batch(4e9) == 0
 
 
+def test_step_memory_counts_what_lies_outside_the_allocator():
+    """Would catch: the outside bytes left out of the peak or the fit, or counted once rather
+    than per image."""
+    step = StepMemory(weights=1e9, gradients=1e9, optimizer=2e9, activations_per_image=1e9, outside=0.5e9,
+                      outside_per_image=0.1e9)
+    assert step.peak(3) == pytest.approx(4e9 + 0.5e9 + 3 * 1.1e9)
+    assert step.largest_micro_batch(11e9) == 4  # 0.9 * 11 - 4 - 0.5 = 5.4 -> 4 images of 1.1 (5 without outside)
+
+
 def test_memory_command_runs_on_cpu_for_the_demo_config(capsys):
     """The CPU's report (train.device=cpu: on a GPU machine the command measures instead)."""
     assert main(["memory", "-c", "configs/demo.yaml", "--micro-batch", "4", "data.image_size=[128,192]",

@@ -34,7 +34,8 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
     assert {"best.pt", "last.pt", "config.yaml", "metrics.csv", "train.log"} <= {p.name for p in run.iterdir()}
     metrics = pd.read_csv(run / "metrics.csv")
     assert metrics["epoch"].tolist() == [1, 2]
-    assert {"train_loss", "valid_loss", "dice", "dice_Fish", "dice_Sugar", "lr", "images_per_s", "peak_memory_mb"} <= set(metrics)
+    assert {"train_loss", "valid_loss", "dice", "dice_Fish", "dice_Sugar", "lr", "images_per_s", "peak_allocated_mb",
+            "peak_reserved_mb"} <= set(metrics)
     assert metrics["dice"].between(0, 1).all()
     saved = load_config(run / "config.yaml")
     assert saved.data.image_size == (64, 96)  # resolved from the data and saved
