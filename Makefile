@@ -13,6 +13,9 @@ STAMP   := $(VENV)/.installed$(if $(TORCH_BACKEND),-$(TORCH_BACKEND))
 # requirements.txt pins torch of its default CUDA build and that build's CUDA libraries: a named
 # backend installs these itself, the newest of its builds that pyproject.toml allows.
 TORCH_PINS := ^(torch|torchvision|triton|cuda-[a-z-]+|nvidia-[a-z0-9-]+)==
+# The pins this .venv was installed from: later extras (make data's kaggle) take them as constraints.
+PINS    := $(if $(TORCH_BACKEND),$(VENV)/requirements-without-torch.txt,requirements.txt)
+KAGGLE_STAMP := $(VENV)/.kaggle-installed
 
 # make train: the real job on data/kaggle, or (when that is absent and DATA was not named)
 # the CPU demo on a synthetic dataset.
@@ -70,10 +73,10 @@ $(STAMP): pyproject.toml requirements.txt | $(UV)
 	  echo "make install: TORCH_BACKEND changed to '$(TORCH_BACKEND)', recreating $(VENV)"; rm -rf $(VENV); fi
 	$(UV) venv -q --allow-existing --python $(PYTHON) $(VENV)
 ifeq ($(TORCH_BACKEND),)
-	$(UV) pip install -q --python $(PY) -r requirements.txt -e '.[dev]'
+	$(UV) pip install -q --python $(PY) -r $(PINS) -e '.[dev]'
 else
-	grep -vE '$(TORCH_PINS)' requirements.txt > $(VENV)/requirements-without-torch.txt
-	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(VENV)/requirements-without-torch.txt -e '.[dev]'
+	grep -vE '$(TORCH_PINS)' requirements.txt > $(PINS)
+	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(PINS) -e '.[dev]'
 	echo $(TORCH_BACKEND) > $(VENV)/.torch-backend
 endif
 	rm -f $(VENV)/.installed*
@@ -131,10 +134,16 @@ data: $(STAMP)
 	  echo "save it as ~/.kaggle/kaggle.json (chmod 600) or export KAGGLE_USERNAME and KAGGLE_KEY,"; \
 	  echo "accept the rules of the 'understanding_cloud_organization' competition, then run make data again."; \
 	  exit 1; fi
-	$(UV) pip install -q --python $(PY) kaggle
-	$(VENV)/bin/kaggle competitions download -c understanding_cloud_organization -p $(DATA)
-	$(PY) -m zipfile -e $(DATA)/understanding_cloud_organization.zip $(DATA)
-	rm $(DATA)/understanding_cloud_organization.zip
+	@$(MAKE) -s --no-print-directory $(KAGGLE_STAMP)
+	@version=$$($(VENV)/bin/kaggle --version 2>&1) || { \
+	  echo "make data: the kaggle CLI in $(VENV) does not start ($$(echo "$$version" | tail -1)); reinstall it: rm $(KAGGLE_STAMP), then make data"; \
+	  exit 1; }; echo "$$version"
+	$(PY) -m cloudseg download --out $(DATA)
+
+# The kaggle extra (the CLI and its library), resolved with this .venv's pins: torch & co. stay.
+$(KAGGLE_STAMP): $(STAMP)
+	$(UV) pip install -q --python $(PY) -c $(PINS) -e '.[kaggle]'
+	touch $@
 
 # Without the Kaggle data (and no DATA named), cv runs the demo: folds 0 and 1 on synthetic data.
 cv: $(STAMP)
