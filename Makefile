@@ -24,9 +24,9 @@ DATA    ?= data/kaggle
 SYNTH   := data/synthetic
 SYNTH_ARGS ?= --n-train 160 --n-test 40 --height 192 --width 288 --seed 0
 ARGS    ?=
-# make train NPROC=N: N processes (one per GPU) through torchrun, DDP.
+# make train NPROC=N: N processes (one per GPU) through torchrun (cloudseg.distributed.launch: a failure ends in one line), DDP.
 NPROC   ?= 1
-TRAIN   := $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m cloudseg train,$(PY) -m cloudseg train)
+TRAIN   := $(if $(filter-out 1,$(NPROC)),$(PY) -m cloudseg.distributed --standalone --nproc_per_node $(NPROC) -m cloudseg train,$(PY) -m cloudseg train)
 # make predict: unless RUN is named, the newest folder in runs/ that holds a best.pt itself
 # (not runs/cv, whose checkpoints are in its folds: make submit; not a run still in epoch 1).
 RUN     ?= $(patsubst %/,%,$(firstword $(foreach d,$(shell ls -td runs/*/ 2>/dev/null),$(if $(wildcard $(d)best.pt),$(d)))))
