@@ -49,7 +49,7 @@ help:
 	@echo "make cv        train every fold in FOLDS into CV_DIR/foldK, then tune on their OOF probabilities"
 	@echo "               (demo without data/kaggle: folds 0 and 1 of the synthetic data)"
 	@echo "make submit    all folds of CV_DIR + postprocess.json -> $(SUBMISSION), scored when possible"
-	@echo "make data      download the Kaggle data into data/kaggle (needs Kaggle API credentials)"
+	@echo "make data      the kaggle extra into .venv, then the Kaggle data into DATA (needs Kaggle API credentials)"
 	@echo "make tensorboard  TensorBoard on runs/ (every run logs to RUN/tb)"
 	@echo "make notebooks executes notebooks/*.ipynb headless (outputs stay out of git)"
 	@echo "make lab       Jupyter Lab on notebooks/ (installs it on first use)"
