@@ -53,7 +53,7 @@ def kaggle_api():
         api = KaggleApi()
         try:
             api.authenticate()
-        except SystemExit:
+        except SystemExit as error:
             raise RuntimeError(f"no usable Kaggle API credentials: {CREDENTIALS}") from error
     return api
 

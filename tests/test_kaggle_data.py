@@ -142,6 +142,50 @@ def test_a_refused_download_is_one_line_that_names_what_to_check(kaggle_venv, tm
     assert what_to_check in result.stderr and "network" not in result.stderr
 
 
+SERVE = """
+import sys, zipfile
+from pathlib import Path
+from kaggle.api.kaggle_api_extended import KaggleApi
+from cloudseg.cli import main
+
+def serve(self, competition, path, **kwargs):  # what the library leaves after a download
+    Path(path).mkdir(parents=True)
+    with zipfile.ZipFile(Path(path) / f"{competition}.zip", "w") as bundle:
+        bundle.writestr("train.csv", "Image_Label,EncodedPixels\\n")
+        bundle.writestr("train_images/0011165.jpg", "jpeg")
+
+KaggleApi.competition_download_files = serve
+sys.exit(main(["download", "--out", sys.argv[1]]))
+"""
+
+
+@needs_make_and_uv
+def test_a_download_is_unpacked_into_the_folder_and_leaves_nothing_else(kaggle_venv, tmp_path, refusing_proxy):
+    """The library's download stood in for by the zip it would leave. Would catch: the zip or the
+    hidden download folder left behind, the files one folder too deep, or a name other than the
+    library's for the zip."""
+    data = tmp_path / "data"
+    result = subprocess.run([str(kaggle_venv / "bin" / "python"), "-c", SERVE, str(data / "kaggle")], cwd=ROOT,
+                            env=fake_user_env(tmp_path / "home", refusing_proxy), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(str(p.relative_to(data)) for p in data.rglob("*")) == [
+        "kaggle", "kaggle/train.csv", "kaggle/train_images", "kaggle/train_images/0011165.jpg"]
+
+
+@needs_make_and_uv
+def test_no_credentials_is_one_line_not_the_library_s_page_of_help(kaggle_venv, tmp_path, refusing_proxy):
+    """`cloudseg download` run by hand, with no token anywhere. Would catch: the kaggle library's
+    help (printed at its import and by authenticate) reaching the user, or its SystemExit."""
+    env = {k: v for k, v in fake_user_env(tmp_path / "home", refusing_proxy).items() if not k.startswith("KAGGLE_")}
+    result = subprocess.run([str(kaggle_venv / "bin" / "python"), "-m", "cloudseg", "download", "--out",
+                             str(tmp_path / "kaggle")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.strip() == ("cloudseg: error: no usable Kaggle API credentials: check KAGGLE_USERNAME and "
+                                     "KAGGLE_KEY, or ~/.kaggle/kaggle.json (a new token: kaggle.com > Settings > API > "
+                                     "Create New Token)")
+
+
 def write_zip(path: Path, files: dict[str, bytes]) -> Path:
     with zipfile.ZipFile(path, "w") as bundle:
         for name, content in files.items():
