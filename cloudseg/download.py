@@ -1,6 +1,7 @@
 """`cloudseg download` (`make data`): the competition's files from Kaggle into a folder, through
 the kaggle library (the `kaggle` extra, which `make data` installs). Every way it fails is one
-line that names what to check: the kaggle library prints several lines, or a traceback.
+line that names what to check, where the library left to itself prints a page of help, a long
+nested message or a traceback.
 """
 
 from __future__ import annotations
