@@ -13,6 +13,9 @@ STAMP   := $(VENV)/.installed$(if $(TORCH_BACKEND),-$(TORCH_BACKEND))
 # requirements.txt pins torch of its default CUDA build and that build's CUDA libraries: a named
 # backend installs these itself, the newest of its builds that pyproject.toml allows.
 TORCH_PINS := ^(torch|torchvision|triton|cuda-[a-z-]+|nvidia-[a-z0-9-]+)==
+# The pins this .venv was installed from: later extras (make data's kaggle) take them as constraints.
+PINS    := $(if $(TORCH_BACKEND),$(VENV)/requirements-without-torch.txt,requirements.txt)
+KAGGLE_STAMP := $(VENV)/.kaggle-installed
 
 # make train: the real job on data/kaggle, or (when that is absent and DATA was not named)
 # the CPU demo on a synthetic dataset.
@@ -21,9 +24,9 @@ DATA    ?= data/kaggle
 SYNTH   := data/synthetic
 SYNTH_ARGS ?= --n-train 160 --n-test 40 --height 192 --width 288 --seed 0
 ARGS    ?=
-# make train NPROC=N: N processes (one per GPU) through torchrun, DDP.
+# make train NPROC=N: N processes (one per GPU) through torchrun (cloudseg.distributed.launch: a failure ends in one line), DDP.
 NPROC   ?= 1
-TRAIN   := $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m cloudseg train,$(PY) -m cloudseg train)
+TRAIN   := $(if $(filter-out 1,$(NPROC)),$(PY) -m cloudseg.distributed --standalone --nproc_per_node $(NPROC) -m cloudseg train,$(PY) -m cloudseg train)
 # make predict: unless RUN is named, the newest folder in runs/ that holds a best.pt itself
 # (not runs/cv, whose checkpoints are in its folds: make submit; not a run still in epoch 1).
 RUN     ?= $(patsubst %/,%,$(firstword $(foreach d,$(shell ls -td runs/*/ 2>/dev/null),$(if $(wildcard $(d)best.pt),$(d)))))
@@ -46,7 +49,7 @@ help:
 	@echo "make cv        train every fold in FOLDS into CV_DIR/foldK, then tune on their OOF probabilities"
 	@echo "               (demo without data/kaggle: folds 0 and 1 of the synthetic data)"
 	@echo "make submit    all folds of CV_DIR + postprocess.json -> $(SUBMISSION), scored when possible"
-	@echo "make data      download the Kaggle data into data/kaggle (needs Kaggle API credentials)"
+	@echo "make data      the kaggle extra into .venv, then the Kaggle data into DATA (needs Kaggle API credentials)"
 	@echo "make tensorboard  TensorBoard on runs/ (every run logs to RUN/tb)"
 	@echo "make notebooks executes notebooks/*.ipynb headless (outputs stay out of git)"
 	@echo "make lab       Jupyter Lab on notebooks/ (installs it on first use)"
@@ -70,10 +73,10 @@ $(STAMP): pyproject.toml requirements.txt | $(UV)
 	  echo "make install: TORCH_BACKEND changed to '$(TORCH_BACKEND)', recreating $(VENV)"; rm -rf $(VENV); fi
 	$(UV) venv -q --allow-existing --python $(PYTHON) $(VENV)
 ifeq ($(TORCH_BACKEND),)
-	$(UV) pip install -q --python $(PY) -r requirements.txt -e '.[dev]'
+	$(UV) pip install -q --python $(PY) -r $(PINS) -e '.[dev]'
 else
-	grep -vE '$(TORCH_PINS)' requirements.txt > $(VENV)/requirements-without-torch.txt
-	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(VENV)/requirements-without-torch.txt -e '.[dev]'
+	grep -vE '$(TORCH_PINS)' requirements.txt > $(PINS)
+	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(PINS) -e '.[dev]'
 	echo $(TORCH_BACKEND) > $(VENV)/.torch-backend
 endif
 	rm -f $(VENV)/.installed*
@@ -131,10 +134,16 @@ data: $(STAMP)
 	  echo "save it as ~/.kaggle/kaggle.json (chmod 600) or export KAGGLE_USERNAME and KAGGLE_KEY,"; \
 	  echo "accept the rules of the 'understanding_cloud_organization' competition, then run make data again."; \
 	  exit 1; fi
-	$(UV) pip install -q --python $(PY) kaggle
-	$(VENV)/bin/kaggle competitions download -c understanding_cloud_organization -p $(DATA)
-	$(PY) -m zipfile -e $(DATA)/understanding_cloud_organization.zip $(DATA)
-	rm $(DATA)/understanding_cloud_organization.zip
+	@$(MAKE) -s --no-print-directory $(KAGGLE_STAMP)
+	@version=$$($(VENV)/bin/kaggle --version 2>&1) || { \
+	  echo "make data: the kaggle CLI in $(VENV) does not start ($$(echo "$$version" | tail -1)); reinstall it: rm $(KAGGLE_STAMP), then make data"; \
+	  exit 1; }; echo "$$version"
+	$(PY) -m cloudseg download --out $(DATA)
+
+# The kaggle extra (the CLI and its library), resolved with this .venv's pins: torch & co. stay.
+$(KAGGLE_STAMP): $(STAMP)
+	$(UV) pip install -q --python $(PY) -c $(PINS) -e '.[kaggle]'
+	touch $@
 
 # Without the Kaggle data (and no DATA named), cv runs the demo: folds 0 and 1 on synthetic data.
 cv: $(STAMP)

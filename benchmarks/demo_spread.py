@@ -39,6 +39,7 @@ from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
 from cloudseg.metrics import evaluate_submission
 from cloudseg.synth import TEST_SOLUTION_CSV
+from cloudseg.units import human_duration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from robustness import DEMO_CONFIG, REPO, cloudseg, empty_folder, machine  # noqa: E402
@@ -145,7 +146,7 @@ def main(argv=None) -> None:
         result = demo_run(datasets[data_seed], root / f"d{data_seed}-t{threads}-s{seed}", seed, threads, args.set,
                           args.device)
         print(f"  data {data_seed}, {threads} thread(s), seed {seed}: valid {result['valid_tuned']:.3f}, "
-              f"test {result['test']:.3f} ({result['train_seconds']:.0f} s)", flush=True)
+              f"test {result['test']:.3f} ({human_duration(result['train_seconds'])})", flush=True)
         return result
 
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -38,6 +38,7 @@ from cloudseg.data import read_label_csv, read_train_csv
 from cloudseg.metrics import evaluate_submission
 from cloudseg.synth import TEST_SOLUTION_CSV
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV
+from cloudseg.units import human_duration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kaggle_like import VARIANTS, generate  # noqa: E402
@@ -193,7 +194,7 @@ def main(argv=None) -> None:
         variant = replace(variant, size=tuple(args.size)) if args.size else variant
         results.append(study_variant(name, variant, args, root))
         print(f"  {name}: default {results[-1]['scores']['default']['dice']:.4f}, all-empty "
-              f"{results[-1]['scores']['all-empty']['dice']:.4f} ({results[-1]['seconds']:.0f} s)", flush=True)
+              f"{results[-1]['scores']['all-empty']['dice']:.4f} ({human_duration(results[-1]['seconds'])})", flush=True)
     print(f"\nmean Dice at 350x525 on the test images (load at end {os.getloadavg()[0]:.1f})")
     print(table(results))
     print("\ndefault submission, test Dice per class")

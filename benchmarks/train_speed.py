@@ -48,6 +48,7 @@ from cloudseg.loss import per_image_loss
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.predict import predict_probs
 from cloudseg.synth import synthesize
+from cloudseg.units import human_duration
 
 KAGGLE_TEST_IMAGES = 3698
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
@@ -79,7 +80,7 @@ def main() -> None:
     for step, rate in inference_rate.items():
         if rate:  # None: skipped, as timed() said
             print(f"inference, 4-flip TTA, {step}: {rate[0]:.2f} images/s, peak {rate[1]:.2f} GiB; "
-                  f"{KAGGLE_TEST_IMAGES} test images in {KAGGLE_TEST_IMAGES / rate[0] / 60:.1f} min (model time only)")
+                  f"{KAGGLE_TEST_IMAGES} test images in {human_duration(KAGGLE_TEST_IMAGES / rate[0])} (model time only)")
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"device": device_name(device), "torch": torch.__version__, "args": vars(args),
@@ -213,7 +214,7 @@ def cloudseg(config, batches, args, device, precision, checkpointing, compile):
         if i == 1 and compile:
             synchronize(device)
             print(f"  compiled ({args.backend}), {precision}, checkpointing={checkpointing}: first window "
-                  f"{time.perf_counter() - start:.1f} s, compiling included")
+                  f"{human_duration(time.perf_counter() - start)}, compiling included")
         if i == args.warmup:
             synchronize(device)
             start = time.perf_counter()

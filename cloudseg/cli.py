@@ -1,5 +1,5 @@
 """The `cloudseg` command line: one subcommand per stretch of the data path (check, train,
-oof, tune, predict, evaluate) and the tools around it (synth, folds, memory, show, config)."""
+oof, tune, predict, evaluate) and the tools around it (download, synth, folds, memory, show, config)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloudseg", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    download = commands.add_parser("download", help="download and unpack the Kaggle data (needs the kaggle extra: "
+                                   "make data installs it, and API credentials)")
+    download.add_argument("--out", default="data/kaggle", help="folder to write")
+    download.set_defaults(run=run_download)
 
     synth = commands.add_parser("synth", help="write a synthetic dataset in the Kaggle layout")
     synth.add_argument("--out", required=True, help="folder to write")
@@ -145,6 +150,13 @@ def add_device_option(command: argparse.ArgumentParser, what: str = "the model r
     of the benchmark scripts that run cloudseg's commands."""
     command.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                          help=f"where {what}: auto (default) = a CUDA GPU when PyTorch sees one, else the CPU")
+
+
+def run_download(args) -> None:
+    from cloudseg.download import download
+
+    download(Path(args.out))
+    print(f"the Kaggle data is in {args.out}")
 
 
 def run_synth(args) -> None:

@@ -22,6 +22,8 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
+from cloudseg.units import human_duration
+
 log = logging.getLogger("cloudseg")
 
 BACKEND = "inductor"  # torch.compile's default; tests swap in "aot_eager" (the same graphs, no code generation)
@@ -62,8 +64,8 @@ def compile_logged(compiling: bool, shape: torch.Size, world: int = 1, what: str
     yield
     new_graphs, new_breaks = graph_counts()[0] - graphs, graph_counts()[1] - breaks
     if new_graphs:
-        log.info("torch.compile: %s of shape %s: %d graph(s) compiled, %d graph break(s); it took %.1f s with "
-                 "compiling", what, list(shape), new_graphs, new_breaks, time.perf_counter() - start)
+        log.info("torch.compile: %s of shape %s: %d graph(s) compiled, %d graph break(s); it took %s with "
+                 "compiling", what, list(shape), new_graphs, new_breaks, human_duration(time.perf_counter() - start))
     if new_breaks and world == 1:
         log.warning("torch.compile: graph breaks in the %s (each costs speed): %s", what,
                     "; ".join(reason.splitlines()[0] for reason in set(counters["graph_break"]) - reasons) or "as before")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -113,3 +114,23 @@ def gathered(items: list) -> list:
 def shard(size: int) -> list[int]:
     """This process's indices of a `size`-item evaluation set (every world_size-th one)."""
     return list(range(rank(), size, world_size()))
+
+
+def launch(argv: list[str]) -> int:
+    """torchrun with `argv` (`make train NPROC=N`). A process that fails has printed its own
+    error (cloudseg's one line); torchrun's traceback after it is replaced by one line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        print(f"torchrun: {len(error.failures)} process(es) failed, first rank {rank} with exit code "
+              f"{failure.exitcode}: its error is above", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[1:]))

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from cloudseg.units import human_duration
+
 log = logging.getLogger("cloudseg")
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -71,7 +73,7 @@ def require_usable_device(requested: str, device: torch.device, image_size, n_im
         return
     seconds = CPU_SECONDS_PER_FULL_IMAGE * height * width / FULL_IMAGE_PIXELS
     raise ValueError(f"train.device=auto found no usable GPU, and on the CPU {height}x{width} images take "
-                     f"~{seconds:.0f} s each: ~{seconds * n_images / 3600:.0f} h per epoch of {n_images} images; "
+                     f"~{human_duration(seconds)} each: ~{human_duration(seconds * n_images)} per epoch of {n_images} images; "
                      "`cloudseg doctor` says why PyTorch sees no GPU (set train.device=cpu to train on the CPU anyway)")
 
 

@@ -2,6 +2,9 @@
 labels, shapes and column names that every step of the data path shares.
 """
 
+COMPETITION = "understanding_cloud_organization"
+"""The competition's name on Kaggle (its data, its rules, its submissions)."""
+
 LABELS = ("Fish", "Flower", "Gravel", "Sugar")
 """The four cloud patterns, in the order of train.csv and of every 4-channel mask."""
 

@@ -16,6 +16,7 @@ from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
 from cloudseg.postprocess import GATES, MIN_AREAS, RULE_FILE, RULE_KEYS, THRESHOLDS, TOP_K, grid_scores, write_rule_file
 from cloudseg.task import LABELS
+from cloudseg.units import human_duration
 
 # The other classes' say in a class's rule, counted in images: a class with n images with it
 # and at least n without picks the rule that maximizes (n·own Dice + PRIOR_IMAGES·pooled Dice)
@@ -162,5 +163,5 @@ def table(result: dict) -> str:
     lines.append(f"{'mean':<34}{result['cv_dice']['before']['mean']:>11.4f}{result['cv_dice']['after']['mean']:>10.4f}")
     lines += pooled_notes(result)
     lines.append(f"{result['images']} out-of-fold images from {len(result['runs'])} run(s), searched in "
-                 f"{result['seconds']:.1f} s; wrote {result['path']}")
+                 f"{human_duration(result['seconds'])}; wrote {result['path']}")
     return "\n".join(lines)

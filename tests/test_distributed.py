@@ -22,7 +22,7 @@ from tests.conftest import TINY
 # micro-batches of 2 per window (so no_sync runs), and in the last window one process gets
 # the 2 images and the other joins with a weightless blank image.
 OPTIONS = [*TINY, "data.n_folds=4", "train.device=cpu", "train.effective_batch=8"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+TORCHRUN = [sys.executable, "-m", "cloudseg.distributed", "--standalone", "--nproc_per_node", "2",
             str(Path(__file__).with_name("ddp_entry.py"))]
 
 
@@ -119,3 +119,18 @@ def test_the_test_can_fail_a_different_effective_batch_trains_other_parameters(d
     four, two = load_checkpoint(tmp_path / "four/last.pt")["model"], load_checkpoint(tmp_path / "two/last.pt")["model"]
     name = "unet.segmentation_head.0.weight"
     assert (four[name] - two[name]).abs().max() > 1e-3
+
+
+def test_a_failing_process_ends_the_launch_in_one_line_without_torchrun_s_traceback(tmp_path):
+    """CPU, two processes of a script that prints its error and exits 3 (as cloudseg does with a
+    user error). Would catch: torchrun's ChildFailedError traceback reaching the user after the
+    error (`make train NPROC=2` on a machine without GPUs printed one), or the exit code lost."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('cloudseg: error: the reason', file=sys.stderr)\nsys.exit(3)\n")
+    result = subprocess.run([*TORCHRUN[:-1], str(script)], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 3
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert result.stderr.count("cloudseg: error: the reason") == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("torchrun: 2 process(es) failed, first rank ")
+    assert result.stderr.strip().endswith("with exit code 3: its error is above")

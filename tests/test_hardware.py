@@ -166,6 +166,13 @@ def test_no_silent_cpu_for_large_images():
     assert "cloudseg doctor" in message and "train.device=cpu" in message
 
 
+def test_the_cpu_estimate_of_a_few_images_is_in_minutes():
+    """6 images at 1400x2100 on the CPU: 6 * 28 s = 168 s = 2.8 min. Catches the estimate that
+    said "~0 h per epoch of 6 images"."""
+    with pytest.raises(ValueError, match=r"~28 s each: ~2\.8 min per epoch of 6 images;"):
+        require_usable_device("auto", CPU, (1400, 2100), 6)
+
+
 @pytest.mark.parametrize("requested, device, size, refused", [
     ("auto", CPU, (512, 512), False),  # the threshold itself is allowed
     ("auto", CPU, (512, 513), True),
