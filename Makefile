@@ -70,10 +70,10 @@ $(STAMP): pyproject.toml requirements.txt | $(UV)
 	  echo "make install: TORCH_BACKEND changed to '$(TORCH_BACKEND)', recreating $(VENV)"; rm -rf $(VENV); fi
 	$(UV) venv -q --allow-existing --python $(PYTHON) $(VENV)
 ifeq ($(TORCH_BACKEND),)
-	$(UV) pip install -q --python $(PY) -r requirements.txt -e '.[dev]'
+	$(UV) pip install -q --python $(PY) -r requirements.txt -e '.[dev,geo]'
 else
 	grep -vE '$(TORCH_PINS)' requirements.txt > $(VENV)/requirements-without-torch.txt
-	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(VENV)/requirements-without-torch.txt -e '.[dev]'
+	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(VENV)/requirements-without-torch.txt -e '.[dev,geo]'
 	echo $(TORCH_BACKEND) > $(VENV)/.torch-backend
 endif
 	rm -f $(VENV)/.installed*
@@ -97,7 +97,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_speed.py
 
 lock: | $(UV)
-	$(UV) pip compile -q pyproject.toml --extra dev --python-version 3.11 -o requirements.txt
+	$(UV) pip compile -q pyproject.toml --extra dev --extra geo --python-version 3.11 -o requirements.txt
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache
