@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import re
 from pathlib import Path
 
@@ -33,11 +34,11 @@ TIME_PATTERN = r"(?P<year>\d{4})-?(?P<month>\d{2})-?(?P<day>\d{2})"
 
 
 def geo_module(name: str):
-    """rasterio or xarray, or a one-line error naming the extra that installs them."""
+    """rasterio or xarray (or one of their modules), or a one-line error naming the extra that installs them."""
     try:
-        return __import__(name)
+        return importlib.import_module(name)
     except ImportError:
-        raise RuntimeError(f"{name} is not installed: GeoTIFF scenes and --grid need the geo extra "
+        raise RuntimeError(f"{name.partition('.')[0]} is not installed: GeoTIFF scenes and --grid need the geo extra "
                            "(pip install cloudseg[geo])") from None
 
 
@@ -109,7 +110,7 @@ class GeoTiffScene:
         self.tags = self.dataset.tags()
 
     def read(self, top: int, left: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        window = geo_module("rasterio").windows.Window(left, top, width, height)
+        window = geo_module("rasterio.windows").Window(left, top, width, height)
         pixels = self.dataset.read((1, 2, 3), window=window)
         return pixels, valid_pixels(pixels) & (self.dataset.dataset_mask(window=window) > 0)
 
@@ -182,7 +183,7 @@ def geotiff_writer(path: Path, scene: GeoTiffScene):
 
 def write_geotiff_rows(out, top: int, bands: np.ndarray) -> None:
     """Write 8×h×W rows of `output_bands` at row `top`."""
-    window = geo_module("rasterio").windows.Window(0, top, bands.shape[2], bands.shape[1])
+    window = geo_module("rasterio.windows").Window(0, top, bands.shape[2], bands.shape[1])
     out.write(bands, window=window)
 
 
@@ -209,13 +210,11 @@ def class_bits(masks: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 def lat_lon(transform, crs, top: int, rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Latitude and longitude (degrees, rows×width) of the centres of those rows' pixels."""
-    cols, lines = np.meshgrid(np.arange(width) + 0.5, np.arange(top, top + rows) + 0.5)
-    xs, ys = transform * (cols, lines)
+    lines, columns = np.meshgrid(np.arange(top, top + rows), np.arange(width), indexing="ij")
+    xs, ys = geo_module("rasterio.transform").xy(transform, lines.ravel(), columns.ravel(), offset="center")
     if not crs.is_geographic:
-        warp = geo_module("rasterio").warp
-        lons, lats = warp.transform(crs, "EPSG:4326", xs.ravel(), ys.ravel())
-        xs, ys = np.reshape(lons, xs.shape), np.reshape(lats, ys.shape)
-    return np.asarray(ys), (np.asarray(xs) + 180) % 360 - 180
+        xs, ys = geo_module("rasterio.warp").transform(crs, "EPSG:4326", xs, ys)
+    return np.reshape(ys, lines.shape), (np.reshape(xs, lines.shape) + 180) % 360 - 180
 
 
 def grid_counts(lats: np.ndarray, lons: np.ndarray, masks: np.ndarray, valid: np.ndarray,

@@ -1,0 +1,266 @@
+"""`cloudseg segment` on the CPU: windows, blending, no-data, georeference, fractions and the
+lat/lon grid, on small synthetic scenes (models: a tiny untrained UNet, or stand-ins whose
+output is known by hand)."""
+
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from cloudseg import segment as segment_module
+from cloudseg.cli import main
+from cloudseg.predict import Ensemble, load_ensemble, load_model, predict_probs
+from cloudseg.segment import blended_rows, tiling, window_starts
+from tests.conftest import write_tiny_checkpoint
+
+rasterio = pytest.importorskip("rasterio")  # make test installs the geo extra; a bare install skips these
+xarray = pytest.importorskip("xarray")
+from rasterio.transform import from_origin  # noqa: E402
+
+
+class ImageArray:
+    """A scene held in memory (as cloudseg.geo's ImageScene after decoding)."""
+
+    crs = transform = None
+    tags = {}
+
+    def __init__(self, image: np.ndarray):
+        self.image, (self.height, self.width) = image, image.shape[:2]
+
+    def read(self, top, left, height, width):
+        from cloudseg.geo import valid_pixels
+
+        pixels = np.ascontiguousarray(self.image[top:top + height, left:left + width].transpose(2, 0, 1))
+        return pixels, valid_pixels(pixels)
+
+
+def stand_in(forward, config, batch_size=4):
+    """An Ensemble (CPU, eager) of one model given as a function of the uint8 batch -> logits."""
+    config = config.model_copy(update={"predict": config.predict.model_copy(update={"batch_size": batch_size})})
+    return Ensemble(config, 1000, torch.device("cpu"), None, False, [forward])
+
+
+def blend(scene, ensemble, tile, overlap):
+    """The whole scene's blended probabilities (4×H×W) from `blended_rows`, checking that its row
+    bands follow each other from the top to the bottom."""
+    parts, expected_top = [], 0
+    for top, probs, valid in blended_rows(scene, ensemble, tile, overlap):
+        assert top == expected_top and probs.shape[1] == valid.shape[0]
+        parts.append(probs)
+        expected_top += probs.shape[1]
+    assert expected_top == scene.height
+    return np.concatenate(parts, axis=1)
+
+
+def pixelwise(images):
+    """Logits that depend on each pixel alone: any correct tiling reproduces them exactly."""
+    x = images.float() / 255
+    return torch.stack([6 * x[:, 0] - 3, 4 * x[:, 1] - 2, 3 * x[:, 2] - 1, x.sum(1) - 1.5], 1)
+
+
+def smooth_scene(height, width, seed=0):
+    rng = np.random.default_rng(seed)
+    small = rng.integers(20, 255, (height // 8 + 2, width // 8 + 2, 3), dtype=np.uint8)
+    return cv2.resize(small, (width, height), interpolation=cv2.INTER_CUBIC)
+
+
+@pytest.fixture(scope="module")
+def tiny_ensemble(tmp_path_factory):
+    """A tiny untrained UNet that 'trained' on 64x96 images, loaded as predict loads it (CPU)."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ck") / "best.pt")
+    return path, load_ensemble([str(path)], "none", device="cpu")
+
+
+# ---------------------------------------------------------------------------------- windows
+
+
+def test_windows_cover_the_scene_evenly_with_at_least_the_overlap():
+    """Would catch: a last window short of the edge, or neighbours sharing less than asked."""
+    starts = window_starts(1000, 300, 0.25)
+    assert starts[0] == 0 and starts[-1] == 700
+    assert all(300 - (b - a) >= 75 for a, b in zip(starts, starts[1:]))
+    assert window_starts(200, 300, 0.25) == [0] and tiling(200, 250, (300, 400), 0.25).height == 200
+
+
+def test_a_scene_that_fits_one_window_gets_exactly_predicts_probabilities(tiny_ensemble):
+    """CPU. Would catch: blending weights that do not cancel for a lone window, a crop or shift,
+    the black no-data band left with its probabilities (predict's zero_black zeroes them)."""
+    path, ensemble = tiny_ensemble
+    image = smooth_scene(60, 90)
+    image[:, :20] = 0  # a no-data band
+    probs = blend(ImageArray(image), ensemble, (64, 96), 0.25)
+    model, _ = load_model(path, torch.device("cpu"))
+    expected = predict_probs(model, torch.from_numpy(image.transpose(2, 0, 1))[None], zero_black=True)[0]
+    assert np.array_equal(probs, expected.numpy())
+    assert probs[:, :, :20].max() == 0 and probs[:, :, 20:].min() > 0
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.25, 0.6])
+def test_any_tiling_reproduces_a_pixelwise_model_on_the_whole_scene(tiny_ensemble, overlap):
+    """CPU. A model whose output depends on each pixel alone gives the same map however the
+    scene is cut. Would catch: a tile placed one pixel off (or flipped, or cropped from the wrong
+    corner), weights not normalised, rows released too early or twice, a missed edge strip."""
+    _, ensemble = tiny_ensemble
+    image = smooth_scene(101, 157)
+    scene = ImageArray(image)
+    probs = blend(scene, stand_in(pixelwise, ensemble.config, batch_size=3), (32, 48), overlap)
+    expected = torch.sigmoid(pixelwise(torch.from_numpy(image.transpose(2, 0, 1))[None]))[0].numpy()
+    assert np.abs(probs - expected).max() < 1e-6
+
+
+def position_model(images):
+    """Logits that rise from -4 to 4 across each window, whatever it shows (a model's edge effects,
+    exaggerated): stitching windows side by side draws a seam at every window border."""
+    n, _, height, width = images.shape
+    across = torch.linspace(-4, 4, width).expand(height, width) + torch.linspace(-4, 4, height)[:, None]
+    return across.expand(n, 4, height, width)
+
+
+def largest_step(probs):
+    return max(np.abs(np.diff(probs, axis=1)).max(), np.abs(np.diff(probs, axis=2)).max())
+
+
+def test_no_seam_shows_where_windows_meet(tiny_ensemble, monkeypatch):
+    """CPU. With overlap o pixels the blend moves at most by the model's own step plus π/(2o)
+    per pixel (the ramp's steepest slope times a probability difference of at most 1).
+    Would catch: a missing blend (windows pasted or plainly averaged), which jumps by ~0.5."""
+    _, ensemble = tiny_ensemble
+    scene, tile, overlap = ImageArray(smooth_scene(100, 150)), (32, 48), 0.5
+    own_step = largest_step(torch.sigmoid(position_model(torch.zeros(1, 3, *tile)))[0].numpy())
+    bound = own_step + np.pi / (2 * 16)  # the smallest overlap here: half of 32 rows
+    assert largest_step(blend(scene, stand_in(position_model, ensemble.config), tile, overlap)) <= bound
+    monkeypatch.setattr(segment_module, "window_weights", lambda grid, row, column: np.ones((grid.height, grid.width),
+                                                                                             np.float32))
+    assert largest_step(blend(scene, stand_in(position_model, ensemble.config), tile, overlap)) > 0.3  # the seam
+
+
+def test_blended_windows_match_the_whole_scene_prediction(tiny_ensemble):
+    """CPU, the tiny UNet: a 128×192 scene in 64×96 windows against the scene in one forward.
+    Stated tolerance: at most 0.01 anywhere, and a mean difference at most half that of windows
+    pasted side by side without overlap (which the test also computes; measured: 4.5e-5 against
+    7.3e-4). Would catch: misplaced windows, and a blend no better than pasting."""
+    _, ensemble = tiny_ensemble
+    image = smooth_scene(128, 192, seed=1)
+    scene = ImageArray(image)
+    whole = blend(scene, ensemble, (128, 192), 0.25)
+    blended = blend(scene, ensemble, (64, 96), 0.5)
+    pasted = blend(scene, ensemble, (64, 96), 0.0)
+    assert np.abs(blended - whole).max() < 0.01
+    assert np.abs(blended - whole).mean() <= 0.5 * np.abs(pasted - whole).mean()
+
+
+# ---------------------------------------------------------------------------------- GeoTIFF, fractions, grid
+
+
+def write_geotiff(path, image, crs="EPSG:4326", transform=from_origin(-60, 15, 0.1, 0.1), nodata=None, tags=None):
+    """An RGB uint8 GeoTIFF of `image` (H×W×3)."""
+    with rasterio.open(path, "w", driver="GTiff", width=image.shape[1], height=image.shape[0], count=3,
+                       dtype="uint8", crs=crs, transform=transform, nodata=nodata) as out:
+        out.write(image.transpose(2, 0, 1))
+        if tags:
+            out.update_tags(**tags)
+    return path
+
+
+def red_is_fish(images):
+    """Probability 1 for Fish where the red channel is above 128, else 0 (logits ±20); the other
+    classes always 1: a map whose fractions can be counted by hand."""
+    red = images[:, :1].float() > 128
+    return torch.cat([torch.where(red, 20.0, -20.0), torch.full_like(red, 20.0, dtype=torch.float32).expand(-1, 3, -1, -1)], 1)
+
+
+def run_segment(monkeypatch, model, *args):
+    """`cloudseg segment` with the checkpoint's model replaced by `model` (CPU); its exit status."""
+    real = segment_module.load_ensemble
+
+    def with_model(*a, **k):
+        ensemble = real(*a, **k)
+        return ensemble._replace(forwards=[model]) if model else ensemble
+    monkeypatch.setattr(segment_module, "load_ensemble", with_model)
+    return main(["segment", *map(str, args), "--device", "cpu"])
+
+
+def test_geotiff_out_keeps_the_scene_georeference_and_its_no_data(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. Would catch: a lost or default CRS or transform, a different size, no-data pixels
+    written as probabilities, masks cut by a shifted window (the output's Fish mask must be the
+    scene's red pixels exactly)."""
+    checkpoint, _ = tiny_ensemble
+    image = smooth_scene(150, 230)
+    image[40:60, :, :] = 7  # no-data by the file's value, not black enough for the black rule
+    transform = from_origin(500000, 1650000, 250, 250)
+    (tmp_path / "in").mkdir()
+    write_geotiff(tmp_path / "in" / "scene.tif", image, crs="EPSG:32620", transform=transform, nodata=7)
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 64, 96, "--grid", 0.1) == 0
+    with rasterio.open(tmp_path / "out" / "scene.tif") as out:
+        assert out.crs.to_epsg() == 32620 and out.transform == transform and out.shape == (150, 230)
+        assert out.count == 8 and out.nodata == 255
+        bands = out.read()
+    off = np.zeros((150, 230), bool)
+    off[40:60] = True
+    assert (bands[:, off] == 255).all() and (bands[:, ~off] != 255).all()
+    assert np.array_equal(bands[4][~off], (image[..., 0] > 128)[~off])  # the Fish mask
+    assert np.array_equal(bands[0][~off], np.where(image[..., 0] > 128, 254, 0)[~off])  # its probability x254
+    # UTM zone 20N: the scene's 57.5 by 37.5 km lie near 14.9°N, 63°W (checked on a map of the zone)
+    grid = xarray.open_dataset(tmp_path / "out" / "grid.nc", engine="scipy").load()
+    assert 14.5 < grid.lat.min() < grid.lat.max() < 15.0 and -63.1 < grid.lon.min() < grid.lon.max() < -62.4
+    assert grid.valid_pixels.sum() == (~off).sum()
+
+
+def test_no_data_is_not_counted_as_clear_sky(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. A map that is Fish wherever there are data: the Fish fraction is 1 however much of
+    the scene has none (a GeoTIFF's nodata, a PNG's black band). Would catch: no-data pixels
+    counted as valid pixels without clouds (fractions 0.7 and 0.6 here)."""
+    checkpoint, _ = tiny_ensemble
+    image = np.full((100, 150, 3), 200, np.uint8)
+    (tmp_path / "in").mkdir()
+    geotiff, png = image.copy(), image.copy()
+    geotiff[:30] = 9
+    png[:, :60] = 0
+    write_geotiff(tmp_path / "in" / "a.tif", geotiff, nodata=9)
+    cv2.imwrite(str(tmp_path / "in" / "b.png"), png)
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 64, 96) == 0
+    fractions = {r["name"]: r for r in map(json.loads, map(Path.read_text, (tmp_path / "out").glob("*.json")))}
+    assert fractions["a.tif"]["valid_pixels"] == 70 * 150 and fractions["a.tif"]["Fish"] == 1.0
+    assert fractions["b.png"]["valid_pixels"] == 100 * 90 and fractions["b.png"]["Fish"] == 1.0
+    masks = cv2.imread(str(tmp_path / "out" / "b_masks.png"), cv2.IMREAD_UNCHANGED)
+    assert (masks[:, :60] == 255).all() and (masks[:, 60:] == 15).all()  # no-data; all four class bits
+
+
+def test_gridded_fractions_match_hand_counts(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. Two scenes of one day and one of the next, 0.1° pixels from 60°W 15°N, on a 1° grid:
+    each cell's Fish fraction is its red pixels over its valid pixels, counted here by hand,
+    the same day's scenes summed. Would catch: cells shifted or transposed (lat/lon swapped, rows
+    counted from the bottom), no-data counted, a day's scenes averaged instead of summed, times
+    not read from the file name or the GeoTIFF's TIFFTAG_DATETIME."""
+    checkpoint, _ = tiny_ensemble
+    rng = np.random.default_rng(0)
+    scenes = {}
+    (tmp_path / "in").mkdir()
+    for name, tags in [("day_20200202_a.tif", None), ("day_20200202_b.tif", None),
+                       ("other.tif", {"TIFFTAG_DATETIME": "2020:02:03 13:30:00"})]:
+        image = np.full((40, 60, 3), 100, np.uint8)
+        image[..., 0] = np.where(rng.random((40, 60)) < rng.random((4, 1, 6, 1)).repeat(10, 1).repeat(10, 3).reshape(40, 60),
+                                 200, 50)
+        image[:5, :7] = 3  # no-data
+        scenes[name] = image
+        write_geotiff(tmp_path / "in" / name, image, nodata=3, tags=tags)
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 16, 24, "--grid", 1.0) == 0
+    grid = xarray.open_dataset(tmp_path / "out" / "grid.nc", engine="scipy").load()
+    assert grid.lat.values.tolist() == [11.5, 12.5, 13.5, 14.5] and grid.lon.values.tolist() == [-59.5 + i for i in range(6)]
+    assert [str(t)[:16] for t in grid.time.values] == ["2020-02-02T00:00", "2020-02-03T13:30"]
+
+    def by_hand(names):
+        fish = sum((scenes[n][..., 0] == 200).reshape(4, 10, 6, 10).sum((1, 3)) for n in names)
+        valid = sum((scenes[n][..., 0] != 3).reshape(4, 10, 6, 10).sum((1, 3)) for n in names)
+        return fish[::-1] / valid[::-1], valid[::-1]  # rows from the north; lat from the south
+    for day, names in enumerate([["day_20200202_a.tif", "day_20200202_b.tif"], ["other.tif"]]):
+        fraction, valid = by_hand(names)
+        assert np.allclose(grid.fraction.sel({"class": "Fish"}).values[day], fraction)
+        assert np.array_equal(grid.valid_pixels.values[day], valid)
+        assert np.allclose(grid.fraction.sel({"class": "Sugar"}).values[day], 1.0)
