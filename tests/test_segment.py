@@ -264,3 +264,59 @@ def test_gridded_fractions_match_hand_counts(tiny_ensemble, tmp_path, monkeypatc
         assert np.allclose(grid.fraction.sel({"class": "Fish"}).values[day], fraction)
         assert np.array_equal(grid.valid_pixels.values[day], valid)
         assert np.allclose(grid.fraction.sel({"class": "Sugar"}).values[day], 1.0)
+
+
+# ---------------------------------------------------------------------------------- many scenes, several processes
+
+
+def write_pngs(folder, count, shape=(64, 96)):
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        cv2.imwrite(str(folder / f"scene{index:02d}.png"), smooth_scene(*shape, seed=index))
+    return folder
+
+
+def test_two_processes_map_every_scene_once_and_skip_the_done_ones(tiny_ensemble, tmp_path):
+    """CPU, two gloo processes under torchrun over 9 scenes, 2 of them done by an earlier run.
+    Would catch: both processes taking the same scenes (a scene mapped twice) or a shard lost
+    (one never mapped), done scenes mapped again, a summary written before every process is
+    through (fractions.csv short of scenes)."""
+    import os
+    import subprocess
+    import sys
+
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 9)
+    out = tmp_path / "out"
+    assert main(["segment", str(scenes / "scene03.png"), str(scenes / "scene07.png"), "--checkpoint", str(checkpoint),
+                 "--out", str(out), "--device", "cpu"]) == 0
+    record = tmp_path / "record.txt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(Path(__file__).with_name("ddp_entry.py")), "--record-scenes", str(record),
+               "segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(out), "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = [line.split() for line in record.read_text().splitlines()]
+    names = sorted(name for _, name in done)
+    assert names == [f"scene{i:02d}.png" for i in range(9) if i not in (3, 7)]  # each once, the done ones never
+    assert {rank for rank, _ in done} == {"0", "1"}
+    table = (out / "fractions.csv").read_text().splitlines()
+    assert len(table) == 1 + 9 and all((out / f"scene{i:02d}_masks.png").is_file() for i in range(9))
+
+
+def test_a_rerun_maps_only_the_scenes_without_outputs(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU, one process. Would catch: a rerun that maps everything again, or one that trusts a
+    scene whose outputs were never finished (its NAME.json is written last)."""
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 4)
+    arguments = ["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]
+    assert main(arguments) == 0
+    (tmp_path / "out" / "scene01.json").unlink()  # as if stopped while writing scene01's maps
+    mapped = []
+    real = segment_module.segment_scene
+    monkeypatch.setattr(segment_module, "segment_scene", lambda path, *a: mapped.append(path.name) or real(path, *a))
+    assert main(arguments) == 0
+    assert mapped == ["scene01.png"]
+    assert main([*arguments, "--grid", "1"]) == 0  # another grid: every scene again
+    assert mapped == ["scene01.png", "scene00.png", "scene01.png", "scene02.png", "scene03.png"]
