@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 import threading
@@ -97,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     segment = commands.add_parser("segment", help="cloud-pattern maps of satellite scenes of any size (JPEG, PNG, "
                                   "GeoTIFF): per-scene maps, area fractions, optional lat/lon grid")
-    segment.add_argument("scenes", nargs="+", metavar="SCENE", help="scene files, folders of them, or glob patterns")
+    segment.add_argument("scenes", nargs="+", metavar="SCENE",
+                         help="scene files, folders of them, or glob patterns; then config overrides, key=value")
     segment.add_argument("--checkpoint", action="append", required=True, help="best.pt or last.pt; repeat to ensemble")
     segment.add_argument("--out", required=True, help="output folder (a rerun skips the scenes done in it)")
     segment.add_argument("--tile", type=int, nargs=2, metavar=("H", "W"),
@@ -112,8 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
                               "TIFFTAG_DATETIME comes first")
     segment.add_argument("--postprocess", metavar="FILE", help="the rule whose thresholds make the masks (as predict)")
     add_device_option(segment)
-    segment.add_argument("overrides", nargs="*", metavar="key=value",
-                         help="e.g. predict.tta=hflip predict.batch_size=8 predict.compile=true")
     segment.set_defaults(run=run_segment)
 
     oof = commands.add_parser("oof", help="write a checkpoint's out-of-fold probabilities (training does this too)")
@@ -270,8 +270,10 @@ def run_segment(args) -> int:
 
     if args.overlap is not None and not 0 <= args.overlap < 1:
         raise ValueError(f"--overlap must be at least 0 and below 1, got {args.overlap}")
-    failed = segment(args.scenes, args.checkpoint, args.out, args.tile, args.overlap, args.grid,
-                     args.time_pattern or TIME_PATTERN, args.postprocess, args.overrides, args.device)
+    overrides = [item for item in args.scenes if re.match(r"\w+(\.\w+)+=", item)]  # both come as positionals
+    scenes = [item for item in args.scenes if item not in overrides]
+    failed = segment(scenes, args.checkpoint, args.out, args.tile, args.overlap, args.grid,
+                     args.time_pattern or TIME_PATTERN, args.postprocess, overrides, args.device)
     return min(failed, 100)  # the exit status: how many scenes failed (100 for 100 or more)
 
 

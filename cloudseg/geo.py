@@ -28,6 +28,7 @@ from cloudseg.task import LABELS
 
 GEOTIFF_SUFFIXES = (".tif", ".tiff")
 SCENE_SUFFIXES = (".jpg", ".jpeg", ".png", *GEOTIFF_SUFFIXES)
+GDAL_CACHE_MB = 64  # GDAL's block cache (default: 5% of the RAM) would otherwise hold the output scene
 NODATA = 255  # in every output band: probabilities are 0-254 (p x 254), masks 0/1
 TIME_PATTERN = r"(?P<year>\d{4})-?(?P<month>\d{2})-?(?P<day>\d{2})"
 """Default --time-pattern: the first YYYYMMDD or YYYY-MM-DD in a scene's file name."""
@@ -128,11 +129,15 @@ def open_scene(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: scene not found")
-    scene = GeoTiffScene(path) if path.suffix.lower() in GEOTIFF_SUFFIXES else ImageScene(path)
-    try:
-        yield scene
-    finally:
-        scene.close()
+    if path.suffix.lower() not in GEOTIFF_SUFFIXES:
+        yield ImageScene(path)
+        return
+    with geo_module("rasterio").Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
+        scene = GeoTiffScene(path)
+        try:
+            yield scene
+        finally:
+            scene.close()
 
 
 def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.datetime64 | None:
@@ -164,6 +169,9 @@ def output_bands(probs: np.ndarray, masks: np.ndarray, valid: np.ndarray) -> np.
     return bands
 
 
+# Rows of a strip of the output GeoTIFF: rows arrive a band at a time, so strips (not tiles) are
+# complete soon after, written once, and leave the cache (a tile rewritten would grow the file).
+OUTPUT_STRIP_ROWS = 16
 BAND_NAMES = [f"{label} probability x254" for label in LABELS] + [f"{label} mask" for label in LABELS]
 
 
@@ -173,8 +181,8 @@ def geotiff_writer(path: Path, scene: GeoTiffScene):
     (`output_bands`) and nodata NODATA; written to a temporary file renamed over `path` at the end."""
     rasterio = geo_module("rasterio")
     profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(BAND_NAMES), dtype="uint8",
-                   crs=scene.crs, transform=scene.transform, nodata=NODATA, tiled=True, blockxsize=256,
-                   blockysize=256, compress="deflate", zlevel=1, BIGTIFF="IF_SAFER")
+                   crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
+                   compress="deflate", zlevel=1, BIGTIFF="IF_SAFER")
     with atomic_path(path) as tmp, rasterio.open(tmp, "w", **profile) as out:
         for band, name in enumerate(BAND_NAMES, start=1):
             out.set_band_description(band, name)

@@ -41,7 +41,7 @@ from cloudseg.viz import overlay
 log = logging.getLogger("cloudseg")
 
 OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighbour
-GRID_ROWS = 256  # rows whose lat/lon are computed at once (two float64 arrays of that many rows)
+RELEASE_ROWS = 64  # final rows handed to the outputs at once (their float32 and uint8 temporaries)
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
 
@@ -154,10 +154,16 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
         probs = ensemble_native(ensemble, images).float().cpu().numpy()
         for (row, column), window_probs, (_, valid) in zip(batch, probs, pieces):
             if row != current_row:
-                yield blender.release(grid.tops[row])
+                yield from released(blender, grid.tops[row])
                 current_row = row
             blender.add(window_probs, window_weights(grid, row, column), valid, grid.tops[row], grid.lefts[column])
-    yield blender.release(scene.height)
+    yield from released(blender, scene.height)
+
+
+def released(blender: StripBlender, end: int):
+    """The final rows up to `end`, RELEASE_ROWS at a time (the outputs' temporaries stay small)."""
+    while blender.top < end:
+        yield blender.release(min(end, blender.top + RELEASE_ROWS))
 
 
 # ---------------------------------------------------------------------------------- one scene
@@ -182,11 +188,9 @@ class SceneCounts:
     def add(self, top: int, masks: np.ndarray, valid: np.ndarray) -> None:
         self.valid += int(valid.sum())
         self.classes += masks[:, valid].sum(1, dtype=np.int64)
-        for start in range(0, len(valid), GRID_ROWS) if self.gridded else ():
-            rows = slice(start, start + GRID_ROWS)
-            lats, lons = geo.lat_lon(self.scene.transform, self.scene.crs, top + start, len(valid[rows]),
-                                     self.scene.width)
-            cells, counts = geo.grid_counts(lats, lons, masks[:, rows], valid[rows], self.grid)
+        if self.gridded:
+            lats, lons = geo.lat_lon(self.scene.transform, self.scene.crs, top, len(valid), self.scene.width)
+            cells, counts = geo.grid_counts(lats, lons, masks, valid, self.grid)
             self.cells.append(cells)
             self.cell_counts.append(counts)
 

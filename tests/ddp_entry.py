@@ -4,7 +4,9 @@ process and several sum the same gradients to within 1e-15 whatever their order.
 micro-batch of a window but the last, instead of on the last alone. With `--compile-backend NAME`
 first, train.compile uses that torch.compile backend (aot_eager in tests: no code generation).
 With `--record-scenes FILE` first, `cloudseg segment` appends "RANK SCENE" to FILE for each scene
-it maps (the test of sharding reads who did what)."""
+it maps (the test of sharding reads who did what). With `--memory-probe` first, `cloudseg segment`
+runs a per-pixel stand-in for the checkpoint's model (a scene of 160 megapixels in seconds) and
+prints the process's peak resident memory before and after each scene, "peak_rss_mib SCENE MIB MIB"."""
 
 import os
 
@@ -32,4 +34,24 @@ if arguments[:1] == ["--record-scenes"]:
             log.write(f"{os.environ['RANK']} {path.name}\n")
         return real_segment_scene(path, *args)
     segment.segment_scene = recorded
+if arguments[:1] == ["--memory-probe"]:
+    import resource
+
+    arguments = arguments[1:]
+    real_load_ensemble, real_scene = segment.load_ensemble, segment.segment_scene
+
+    def per_pixel(images):
+        return images.float().mean(1, keepdim=True).expand(-1, 4, -1, -1) / 64 - 2
+
+    def peak_mib():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+    def probed(path, *args):
+        before = peak_mib()
+        record = real_scene(path, *args)
+        print(f"peak_rss_mib {path.name} {before} {peak_mib()}", flush=True)
+        return record
+
+    segment.load_ensemble = lambda *a, **k: real_load_ensemble(*a, **k)._replace(forwards=[per_pixel])
+    segment.segment_scene = probed
 sys.exit(main(arguments))

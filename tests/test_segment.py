@@ -320,3 +320,45 @@ def test_a_rerun_maps_only_the_scenes_without_outputs(tiny_ensemble, tmp_path, m
     assert mapped == ["scene01.png"]
     assert main([*arguments, "--grid", "1"]) == 0  # another grid: every scene again
     assert mapped == ["scene01.png", "scene00.png", "scene01.png", "scene02.png", "scene03.png"]
+
+
+def write_wide_geotiff(path, height, width=20000, rows=512):
+    """A height×width RGB GeoTIFF written `rows` at a time (vertical ramps; deflate keeps it small)."""
+    band = np.tile(np.linspace(0, 255, rows).astype(np.uint8)[:, None], (1, width))
+    with rasterio.open(path, "w", driver="GTiff", width=width, height=height, count=3, dtype="uint8", crs="EPSG:4326",
+                       transform=from_origin(-60, 15, 0.01, 0.01), tiled=True, compress="deflate", zlevel=1) as out:
+        for top in range(0, height, rows):
+            count = min(rows, height - top)
+            out.write(np.stack([band[:count]] * 3), window=rasterio.windows.Window(0, top, width, count))
+    return path
+
+
+@pytest.mark.slow
+def test_memory_does_not_grow_with_the_scene(tiny_ensemble, tmp_path):
+    """CPU, `make test-all` (about 1-2 min: a 20000×8000 scene, 160 megapixels, through a per-pixel
+    stand-in model in 256×256 windows). One process maps a 20000×800 scene, then the 20000×8000
+    one, and reports its peak resident memory before and after each (tests/ddp_entry.py
+    --memory-probe). Bounds: the second scene, ten times taller, adds under 32 MiB to the peak
+    (its RGB pixels alone are 458 MiB, its float32 probabilities 2.4 GiB); the first adds under
+    400 MiB (one row of windows: 256 rows × 20000 × 21 bytes = 102 MiB of sums, weights and
+    validity, with the batch, reads and output temporaries; measured 236 MiB on 2026-11-25).
+    Would catch: a scene read or blended whole, outputs gathered before writing, GDAL's block
+    cache (5% of the RAM by default) holding the written scene."""
+    import os
+    import subprocess
+    import sys
+
+    checkpoint, _ = tiny_ensemble
+    write_wide_geotiff(tmp_path / "a_wide.tif", 800)
+    write_wide_geotiff(tmp_path / "b_wide_and_tall.tif", 8000)
+    command = [sys.executable, str(Path(__file__).with_name("ddp_entry.py")), "--memory-probe", "segment",
+               str(tmp_path / "a_wide.tif"), str(tmp_path / "b_wide_and_tall.tif"), "predict.batch_size=4",
+               "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--tile", "256", "256", "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = {name: (int(before), int(after)) for _, name, before, after in
+             (line.split() for line in result.stdout.splitlines() if line.startswith("peak_rss_mib"))}
+    (start, first), (_, second) = peaks["a_wide.tif"], peaks["b_wide_and_tall.tif"]
+    assert second - first < 32 and first - start < 400, peaks
+    with rasterio.open(tmp_path / "out" / "b_wide_and_tall.tif") as out:
+        assert out.shape == (8000, 20000)
