@@ -283,6 +283,7 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, til
     scenes already done; then one process writes fractions.csv (and grid.nc with `grid`). A bad
     scene is one line on stderr naming it; the others go on. Returns the number that failed."""
     out_dir, scenes = Path(out_dir), find_scenes(sources)
+    logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
     check_writable(out_dir)
     ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)))
     options = SegmentOptions(window_size(ensemble, tile, checkpoints[0]), OVERLAP if overlap is None else overlap,
@@ -331,8 +332,11 @@ def is_done(out_dir: Path, path: Path, grid: float | None) -> bool:
         return False
 
 
-def scene_error(path: Path, error: Exception) -> str:
-    """One line naming the scene (errors from cloudseg already start with the file)."""
+def scene_error(path: Path, error: BaseException) -> str:
+    """One line naming the scene (errors from cloudseg already start with the file); for
+    rasterio's "Read failed. See previous exception", GDAL's error that caused it."""
+    while error.__cause__ is not None or (error.__context__ is not None and "previous exception" in str(error)):
+        error = error.__cause__ or error.__context__
     text = geo.one_line(error)
     return text if text.startswith(str(path)) else f"{path}: {text}"
 

@@ -362,3 +362,74 @@ def test_memory_does_not_grow_with_the_scene(tiny_ensemble, tmp_path):
     assert second - first < 32 and first - start < 400, peaks
     with rasterio.open(tmp_path / "out" / "b_wide_and_tall.tif") as out:
         assert out.shape == (8000, 20000)
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_path, capsys):
+    """CPU. Would catch: a bad scene stopping the job or failing silently, a message without
+    the file, an exit status that hides failures, a half-written output left behind, and a
+    scene smaller than a window refused (it is mapped as one window)."""
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 1)
+    cv2.imwrite(str(scenes / "small.png"), smooth_scene(20, 30))
+    (scenes / "garbage.jpg").write_bytes(b"not an image at all")
+    cv2.imwrite(str(scenes / "cut.jpg"), smooth_scene(64, 96))
+    (scenes / "cut.jpg").write_bytes((scenes / "cut.jpg").read_bytes()[:-600])
+    cv2.imwrite(str(scenes / "grey.png"), smooth_scene(64, 96)[..., 0])
+    cv2.imwrite(str(scenes / "deep.png"), smooth_scene(64, 96).astype(np.uint16) * 257)
+    write_geotiff(scenes / "torn.tif", smooth_scene(200, 300))
+    (scenes / "torn.tif").write_bytes((scenes / "torn.tif").read_bytes()[:60000])
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]) == 5
+    lines = capsys.readouterr().err.strip().splitlines()
+    messages = {Path(line.split(": ")[1]).name: line for line in lines if line.startswith("cloudseg segment: ")}
+    assert sorted(messages) == ["cut.jpg", "deep.png", "garbage.jpg", "grey.png", "torn.tif"], lines
+    assert "truncated JPEG" in messages["cut.jpg"] and "not a JPEG" in messages["garbage.jpg"]
+    assert "1-band scene" in messages["grey.png"] and "gdal_translate -b 1 -b 1 -b 1" in messages["grey.png"]
+    assert "uint16 pixels" in messages["deep.png"] and "-ot Byte -scale" in messages["deep.png"]
+    assert "Read error" in messages["torn.tif"]  # GDAL's cause, not rasterio's "See previous exception"
+    table = (tmp_path / "out" / "fractions.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in table[1:]] == ["scene00.png", "small.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["fractions.csv", "scene00.json", "scene00_masks.png", "scene00_overlay.png", "small.json", "small_masks.png",
+         "small_overlay.png"])  # nothing of the bad scenes, no temporary file
+
+
+def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny_ensemble, tmp_path, capsys):
+    """CPU. Would catch: a traceback, or a job that maps scenes it cannot write or blends models
+    trained on other input sizes."""
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 1)
+    (tmp_path / "file").write_text("")
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "file" / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (f"cloudseg: error: {tmp_path / 'file' / 'out'}: output folder is not "
+                                               "writable (Not a directory)")
+    other = write_tiny_checkpoint(tmp_path / "other" / "best.pt", image_size=(128, 192))
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--checkpoint", str(other), "--out",
+                 str(tmp_path / "out"), "--postprocess", "none", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"cloudseg: error: {other}: trained on images of (128, 192)") and "\n" not in error
+    untold = write_tiny_checkpoint(tmp_path / "untold" / "best.pt", image_size=None)
+    assert main(["segment", str(scenes), "--checkpoint", str(untold), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]) == 2
+    assert "trained without data.image_size" in capsys.readouterr().err
+
+
+def test_without_the_geo_extra_the_message_names_it(monkeypatch):
+    """Would catch: a bare ImportError (or a traceback) for users without rasterio/xarray."""
+    import builtins
+
+    from cloudseg import geo
+
+    real_import = builtins.__import__
+
+    def no_rasterio(name, *args, **kwargs):
+        if name.startswith("rasterio"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_rasterio)
+    monkeypatch.setattr(geo.importlib, "import_module", lambda name: no_rasterio(name))
+    with pytest.raises(RuntimeError, match=r"rasterio is not installed: .*pip install cloudseg\[geo\]"):
+        geo.geo_module("rasterio.windows")
