@@ -55,7 +55,7 @@ help:
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
 	@echo "make test-gpu  on a CUDA GPU: the tests marked gpu (mixed precision, predict, memory, resume; a few minutes)"
-	@echo "make bench     print benchmark tables (RLE codec, training and inference speed)"
+	@echo "make bench     print benchmark tables (RLE codec, tuning, training and inference speed, segment)"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
 
 install: $(STAMP)
@@ -95,6 +95,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/rle_speed.py
 	$(PY) benchmarks/tune_speed.py
 	$(PY) benchmarks/train_speed.py
+	$(PY) benchmarks/segment_speed.py
 
 lock: | $(UV)
 	$(UV) pip compile -q pyproject.toml --extra dev --extra geo --python-version 3.11 -o requirements.txt

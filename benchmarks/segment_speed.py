@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import platform
 import tempfile
 import time
@@ -48,6 +49,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     device = resolve_device(args.device)
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         checkpoint = write_checkpoint(folder / "model" / "best.pt", args.config, args.tile)
@@ -66,11 +68,13 @@ def main() -> None:
     print(f"segment speed, {datetime.date.today()}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, device {device}; {args.scenes} scenes of {args.height}x{args.width}, "
           f"windows {args.tile[0]}x{args.tile[1]}, model of {args.config}")
-    print("| row | seconds | scenes/s | megapixels/s | speed-up |")
-    print("|---|---|---|---|---|")
-    naive_seconds = next(iter(rows.values()))
-    for name, seconds in rows.items():
-        print(f"| {name} | {seconds:.1f} | {args.scenes / seconds:.3f} | {megapixels / seconds:.2f} | "
+    print(f"load average before: {load:.1f} (other processes slow the wall-clock figures, "
+          "less the CPU seconds)")
+    print("| row | seconds | CPU s | scenes/s | megapixels/s | speed-up |")
+    print("|---|---|---|---|---|---|")
+    naive_seconds = next(iter(rows.values()))[0]
+    for name, (seconds, cpu) in rows.items():
+        print(f"| {name} | {seconds:.1f} | {cpu:.1f} | {args.scenes / seconds:.3f} | {megapixels / seconds:.2f} | "
               f"{naive_seconds / seconds:.2f}x |")
 
 
@@ -107,11 +111,12 @@ def write_scene(path: Path, height: int, width: int, seed: int) -> Path:
     return path
 
 
-def timed(run, warm_up, folder: Path) -> float:
+def timed(run, warm_up, folder: Path) -> tuple[float, float]:
+    """(wall-clock, CPU seconds of this process's threads) of `run` after `warm_up`."""
     warm_up(folder / f"warm{time.monotonic_ns()}")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     run(folder / f"out{time.monotonic_ns()}")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def naive(scenes: list[Path], checkpoint: Path, tile, device: torch.device, out: Path) -> None:
