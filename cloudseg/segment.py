@@ -217,24 +217,37 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
     NAME_overlay.png), then NAME.json, its fractions, last: its presence means the scene is done."""
     with geo.open_scene(path) as scene:
         counts = SceneCounts(scene, options.grid)
+        rows = blended_rows(scene, ensemble, options.tile, options.overlap)
         if isinstance(scene, geo.GeoTiffScene):
-            with geo.geotiff_writer(out_dir / f"{path.stem}.tif", scene) as out:
-                for top, probs, valid in blended_rows(scene, ensemble, options.tile, options.overlap):
-                    masks = masks_of(probs, ensemble)
-                    geo.write_geotiff_rows(out, top, geo.output_bands(probs, masks, valid))
-                    counts.add(top, masks, valid)
+            map_geotiff(scene, rows, ensemble, counts, out_dir / f"{path.stem}.tif")
         else:
-            masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
-            valid = np.zeros((scene.height, scene.width), bool)
-            for top, probs, rows_valid in blended_rows(scene, ensemble, options.tile, options.overlap):
-                masks[:, top:top + len(rows_valid)], valid[top:top + len(rows_valid)] = masks_of(probs, ensemble), rows_valid
-                counts.add(top, masks[:, top:top + len(rows_valid)], rows_valid)
-            geo.write_png(out_dir / f"{path.stem}_masks.png", geo.class_bits(masks, valid))
-            geo.write_png(out_dir / f"{path.stem}_overlay.png", overlay(scene.image, masks))
+            map_image(scene, rows, ensemble, counts, out_dir / path.stem)
         record = counts.record(path.name, geo.scene_time(path, scene.tags, options.time_pattern))
     with atomic_path(done_file(out_dir, path)) as tmp:
         tmp.write_text(json.dumps(record))
     return record
+
+
+def map_geotiff(scene, rows, ensemble: Ensemble, counts: SceneCounts, out: Path) -> None:
+    """Write the blended `rows` of a GeoTIFF scene into the GeoTIFF `out` as they come."""
+    with geo.geotiff_writer(out, scene) as written:
+        for top, probs, valid in rows:
+            masks = masks_of(probs, ensemble)
+            geo.write_geotiff_rows(written, top, geo.output_bands(probs, masks, valid))
+            counts.add(top, masks, valid)
+
+
+def map_image(scene, rows, ensemble: Ensemble, counts: SceneCounts, stem: Path) -> None:
+    """Gather the masks of a JPEG or PNG scene (held whole anyway), then write STEM_masks.png and
+    STEM_overlay.png."""
+    masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
+    valid = np.zeros((scene.height, scene.width), bool)
+    for top, probs, rows_valid in rows:
+        band = slice(top, top + len(rows_valid))
+        masks[:, band], valid[band] = masks_of(probs, ensemble), rows_valid
+        counts.add(top, masks[:, band], rows_valid)
+    geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid))
+    geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks))
 
 
 def done_file(out_dir: Path, path: Path) -> Path:
@@ -260,6 +273,8 @@ def find_scenes(sources: list[str]) -> list[Path]:
                 raise FileNotFoundError(f"{source}: no such scene, folder or matching file")
             found.update(matches)
     scenes = sorted(found)
+    if not scenes:
+        raise FileNotFoundError(f"no JPEG, PNG or GeoTIFF scenes in {', '.join(sources)}")
     stems = pd.Series([p.stem for p in scenes])
     if stems.duplicated().any():
         raise ValueError(f"two scenes named {stems[stems.duplicated()].iloc[0]} would write the same outputs: "
@@ -267,8 +282,12 @@ def find_scenes(sources: list[str]) -> list[Path]:
     return scenes
 
 
-def check_writable(out_dir: Path) -> None:
-    """A one-line error before any work when the output folder cannot take files."""
+def check_writable(out_dir: Path, scenes: list[Path]) -> None:
+    """A one-line error before any work when the output folder cannot take files, or when a
+    GeoTIFF scene's map would replace the scene itself."""
+    for path in scenes:
+        if (out_dir / f"{path.stem}.tif").resolve() == path.resolve():
+            raise ValueError(f"{path}: its map NAME.tif would replace it: choose another --out than its folder")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         new_hidden_file(out_dir / "write-check").unlink()
@@ -284,7 +303,7 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, til
     scene is one line on stderr naming it; the others go on. Returns the number that failed."""
     out_dir, scenes = Path(out_dir), find_scenes(sources)
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
-    check_writable(out_dir)
+    check_writable(out_dir, scenes)
     ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)))
     options = SegmentOptions(window_size(ensemble, tile, checkpoints[0]), OVERLAP if overlap is None else overlap,
                              grid, time_pattern)

@@ -398,8 +398,9 @@ def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_pa
 
 
 def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny_ensemble, tmp_path, capsys):
-    """CPU. Would catch: a traceback, or a job that maps scenes it cannot write or blends models
-    trained on other input sizes."""
+    """CPU. Would catch: a traceback, or a job that maps scenes it cannot write, blends models
+    trained on other input sizes, overwrites a GeoTIFF scene with its map, or finds no scene and
+    says nothing."""
     checkpoint, _ = tiny_ensemble
     scenes = write_pngs(tmp_path / "in", 1)
     (tmp_path / "file").write_text("")
@@ -411,6 +412,12 @@ def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny
                  str(tmp_path / "out"), "--postprocess", "none", "--device", "cpu"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"cloudseg: error: {other}: trained on images of (128, 192)") and "\n" not in error
+    write_geotiff(scenes / "geo.tif", smooth_scene(64, 96))
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(scenes)]) == 2
+    assert "its map NAME.tif would replace it" in capsys.readouterr().err  # --out is the scenes' folder
+    (tmp_path / "empty").mkdir()
+    assert main(["segment", str(tmp_path / "empty"), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o")]) == 2
+    assert "no JPEG, PNG or GeoTIFF scenes in" in capsys.readouterr().err
     untold = write_tiny_checkpoint(tmp_path / "untold" / "best.pt", image_size=None)
     assert main(["segment", str(scenes), "--checkpoint", str(untold), "--out", str(tmp_path / "out"),
                  "--device", "cpu"]) == 2
