@@ -8,14 +8,15 @@ in windows of --tile (default 384x576). Rows:
                             predicted and pasted into a whole-scene array, then written: the
                             hand-written loop of scripts that map scenes
   b. cloudseg, overlap 0    `segment.segment` with the naive loop's windows, batched (--batch),
-                            reading the next batch meanwhile, outputs written row by row
+                            the next batch read and the last rows written meanwhile in threads
   c. cloudseg, overlap 0.25 the default: more windows (neighbours share a quarter), blended
 
-Each row maps every scene once after a warm-up scene, on --device (auto: the GPU where there is
+Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
+scene, on --device (auto: the GPU where there is
 one; with CUDA, predict.compile=auto compiles rows b and c); wall-clock, so other processes on the
 machine slow every row. Scenes/s and megapixels/s count the scenes' pixels, not the windows'.
 
-Usage: python benchmarks/segment_speed.py [--scenes N --height H --width W --tile H W --batch B --device D]
+Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W --batch B --device D]
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def main() -> None:
         rows = {
             "a. naive loop (batch 1, no overlap)": timed(lambda out: naive(scenes, checkpoint, args.tile, device, out),
                                                          lambda out: naive([warm], checkpoint, args.tile, device, out),
-                                                         folder),
+                                                         folder, args.repeat),
             **{f"{letter}. cloudseg segment, overlap {overlap} (batch {args.batch})": timed(
                 lambda out, overlap=overlap: run_segment(scenes, checkpoint, out, args, overlap, device),
-                lambda out, overlap=overlap: run_segment([warm], checkpoint, out, args, overlap, device), folder)
+                lambda out, overlap=overlap: run_segment([warm], checkpoint, out, args, overlap, device), folder,
+                args.repeat)
                for letter, overlap in (("b", 0.0), ("c", 0.25))},
         }
     megapixels = args.scenes * args.height * args.width / 1e6
@@ -85,6 +87,7 @@ def parse_args():
     parser.add_argument("--width", type=int, default=2304)
     parser.add_argument("--tile", type=int, nargs=2, default=(384, 576), metavar=("H", "W"))
     parser.add_argument("--batch", type=int, default=4, help="windows per batch of rows b and c")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is shown")
     parser.add_argument("--config", default="configs/demo.yaml", help="the model's architecture")
     add_device_option(parser, "the scenes are mapped")
     return parser.parse_args()
@@ -111,12 +114,16 @@ def write_scene(path: Path, height: int, width: int, seed: int) -> Path:
     return path
 
 
-def timed(run, warm_up, folder: Path) -> tuple[float, float]:
-    """(wall-clock, CPU seconds of this process's threads) of `run` after `warm_up`."""
-    warm_up(folder / f"warm{time.monotonic_ns()}")
-    start, cpu = time.perf_counter(), time.process_time()
-    run(folder / f"out{time.monotonic_ns()}")
-    return time.perf_counter() - start, time.process_time() - cpu
+def timed(run, warm_up, folder: Path, repeat: int) -> tuple[float, float]:
+    """(wall-clock, CPU seconds of this process's threads) of the fastest of `repeat` runs of
+    `run`, each after `warm_up` (each run loads the model anew)."""
+    times = []
+    for _ in range(repeat):
+        warm_up(folder / f"warm{time.monotonic_ns()}")
+        start, cpu = time.perf_counter(), time.process_time()
+        run(folder / f"out{time.monotonic_ns()}")
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
+    return min(times)
 
 
 def naive(scenes: list[Path], checkpoint: Path, tile, device: torch.device, out: Path) -> None:

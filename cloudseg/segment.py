@@ -128,7 +128,7 @@ class StripBlender:
 
 def prefetched(function, items: list):
     """function(item) for each item, in order, the next one computed in a thread meanwhile
-    (reading a window overlaps the model's work; GDAL and OpenCV release the GIL)."""
+    (reading a window overlaps the model's work; GDAL and OpenCV release the GIL; `in_background` overlaps the writing likewise)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(function, items[0]) if items else None
         for index in range(len(items)):
@@ -229,12 +229,28 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
 
 
 def map_geotiff(scene, rows, ensemble: Ensemble, counts: SceneCounts, out: Path) -> None:
-    """Write the blended `rows` of a GeoTIFF scene into the GeoTIFF `out` as they come."""
+    """Write the blended `rows` of a GeoTIFF scene into the GeoTIFF `out` as they come, in a
+    thread while the model works on the next ones."""
+    def write(top, probs, valid):
+        masks = masks_of(probs, ensemble)
+        geo.write_geotiff_rows(written, top, geo.output_bands(probs, masks, valid))
+        counts.add(top, masks, valid)
+
     with geo.geotiff_writer(out, scene) as written:
-        for top, probs, valid in rows:
-            masks = masks_of(probs, ensemble)
-            geo.write_geotiff_rows(written, top, geo.output_bands(probs, masks, valid))
-            counts.add(top, masks, valid)
+        in_background(write, rows)
+
+
+def in_background(function, items) -> None:
+    """function(*item) for each item, in order, in a thread, one at a time: the next item is
+    computed meanwhile, and waits for the previous call (so at most two items are held)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = None
+        for item in items:
+            if pending:
+                pending.result()
+            pending = pool.submit(function, *item)
+        if pending:
+            pending.result()
 
 
 def map_image(scene, rows, ensemble: Ensemble, counts: SceneCounts, stem: Path) -> None:

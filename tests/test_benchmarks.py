@@ -71,7 +71,7 @@ def test_recipes_benchmark_prints_one_row_per_option(tmp_path):
 
 def test_segment_benchmark_prints_its_table():
     out = run("benchmarks/segment_speed.py", "--scenes", "1", "--height", "128", "--width", "192", "--tile", "64", "96",
-              "--device", "cpu")
+              "--repeat", "1", "--device", "cpu")
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)"):
         assert f"| {row} |" in out
