@@ -39,7 +39,7 @@ from rasterio.windows import Window
 from cloudseg.checkpoint import save_checkpoint
 from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
-from cloudseg.geo import GDAL_CACHE_MB
+from cloudseg.geo import GDAL_CACHE_MB, write_rgb_geotiff
 from cloudseg.hardware import resolve_device
 from cloudseg.model import build_model
 from cloudseg.predict import load_model, predict_probs
@@ -107,11 +107,8 @@ def write_scene(path: Path, height: int, width: int, seed: int) -> Path:
     coarse = rng.integers(0, 255, (3, height // 64 + 1, width // 64 + 1), dtype=np.uint8)
     pixels = coarse.repeat(64, 1).repeat(64, 2)[:, :height, :width]
     pixels[:, : height // 4, : width // 4] = 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with rasterio.open(path, "w", driver="GTiff", width=width, height=height, count=3, dtype="uint8", tiled=True,
-                       crs="EPSG:4326", transform=from_origin(-60, 15, 0.01, 0.01), compress="deflate") as out:
-        out.write(pixels)
-    return path
+    return write_rgb_geotiff(path, pixels.transpose(1, 2, 0), "EPSG:4326", from_origin(-60, 15, 0.01, 0.01),
+                             tiled=True, compress="deflate")
 
 
 def timed(run, warm_up, folder: Path, repeat: int) -> tuple[float, float]:

@@ -195,6 +195,21 @@ def write_geotiff_rows(out, top: int, bands: np.ndarray) -> None:
     out.write(bands, window=window)
 
 
+def write_rgb_geotiff(path: str | Path, image: np.ndarray, crs, transform, nodata=None, tags: dict | None = None,
+                      **profile) -> Path:
+    """An H×W×3 uint8 RGB image as a GeoTIFF (CRS, transform, nodata, tags such as
+    TIFFTAG_DATETIME; `profile`: creation options such as tiled=True), never half-written: how
+    synthetic scenes, the tests' and the benchmark's, are made."""
+    rasterio = geo_module("rasterio")
+    with atomic_path(path) as tmp, rasterio.open(tmp, "w", driver="GTiff", width=image.shape[1], height=image.shape[0],
+                                                  count=3, dtype="uint8", crs=crs, transform=transform, nodata=nodata,
+                                                  **profile) as out:
+        out.write(image.transpose(2, 0, 1))
+        if tags:
+            out.update_tags(**tags)
+    return Path(path)
+
+
 def write_png(path: Path, rgb_or_grey: np.ndarray) -> Path:
     """A PNG written atomically (H×W grey or H×W×3 RGB uint8)."""
     image = rgb_or_grey if rgb_or_grey.ndim == 2 else cv2.cvtColor(rgb_or_grey, cv2.COLOR_RGB2BGR)

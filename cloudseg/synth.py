@@ -148,16 +148,12 @@ def synthetic_scene(path, rows: int = 2, columns: int = 3, shape=(192, 288), wes
     `shape` side by side in one RGB GeoTIFF (EPSG:4326, its north-west corner at west, north,
     square pixels of `degrees_per_pixel`, TIFFTAG_DATETIME `when`). Returns the path and the
     scene's true masks (4×H×W). Needs the geo extra (rasterio)."""
-    from cloudseg.geo import geo_module
+    from cloudseg.geo import geo_module, write_rgb_geotiff
 
-    rasterio = geo_module("rasterio")
     rng = np.random.default_rng(seed)
     drawn = [[sample(rng, *shape) for _ in range(columns)] for _ in range(rows)]
     image = np.concatenate([np.concatenate([d[0] for d in row], axis=1) for row in drawn], axis=0)
     masks = np.concatenate([np.concatenate([d[1] for d in row], axis=2) for row in drawn], axis=1)
-    transform = rasterio.transform.from_origin(west, north, degrees_per_pixel, degrees_per_pixel)
-    with atomic_path(path) as tmp, rasterio.open(tmp, "w", driver="GTiff", width=image.shape[1], height=image.shape[0],
-                                                  count=3, dtype="uint8", crs="EPSG:4326", transform=transform) as out:
-        out.write(image.transpose(2, 0, 1))
-        out.update_tags(TIFFTAG_DATETIME=when)
+    transform = geo_module("rasterio.transform").from_origin(west, north, degrees_per_pixel, degrees_per_pixel)
+    write_rgb_geotiff(path, image, "EPSG:4326", transform, tags={"TIFFTAG_DATETIME": when})
     return Path(path), masks

@@ -12,6 +12,7 @@ import torch
 
 from cloudseg import segment as segment_module
 from cloudseg.cli import main
+from cloudseg.geo import ImageScene, write_rgb_geotiff
 from cloudseg.predict import Ensemble, load_ensemble, load_model, predict_probs
 from cloudseg.segment import blended_rows, tiling, window_starts
 from tests.conftest import write_tiny_checkpoint
@@ -21,20 +22,11 @@ xarray = pytest.importorskip("xarray")
 from rasterio.transform import from_origin  # noqa: E402
 
 
-class ImageArray:
-    """A scene held in memory (as cloudseg.geo's ImageScene after decoding)."""
-
-    crs = transform = None
-    tags = {}
+class ImageArray(ImageScene):
+    """A scene held in memory, read as a decoded JPEG or PNG scene is."""
 
     def __init__(self, image: np.ndarray):
-        self.image, (self.height, self.width) = image, image.shape[:2]
-
-    def read(self, top, left, height, width):
-        from cloudseg.geo import valid_pixels
-
-        pixels = np.ascontiguousarray(self.image[top:top + height, left:left + width].transpose(2, 0, 1))
-        return pixels, valid_pixels(pixels)
+        self.path, self.image, (self.height, self.width) = None, image, image.shape[:2]
 
 
 def stand_in(forward, config, batch_size=4):
@@ -157,12 +149,7 @@ def test_blended_windows_match_the_whole_scene_prediction(tiny_ensemble):
 
 def write_geotiff(path, image, crs="EPSG:4326", transform=from_origin(-60, 15, 0.1, 0.1), nodata=None, tags=None):
     """An RGB uint8 GeoTIFF of `image` (H×W×3)."""
-    with rasterio.open(path, "w", driver="GTiff", width=image.shape[1], height=image.shape[0], count=3,
-                       dtype="uint8", crs=crs, transform=transform, nodata=nodata) as out:
-        out.write(image.transpose(2, 0, 1))
-        if tags:
-            out.update_tags(**tags)
-    return path
+    return write_rgb_geotiff(path, image, crs, transform, nodata, tags)
 
 
 def red_is_fish(images):
