@@ -41,7 +41,7 @@ from cloudseg.viz import overlay
 log = logging.getLogger("cloudseg")
 
 OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighbour
-RELEASE_ROWS = 64  # final rows handed to the outputs at once (their float32 and uint8 temporaries)
+RELEASE_ROWS = 32  # final rows handed to the outputs at once (their float32 and uint8 temporaries)
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
 
@@ -112,18 +112,19 @@ class StripBlender:
         self.weights[rows, columns] += weights
         self.valid[rows, columns] = valid
 
-    def release(self, end: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(top, probabilities 4×n×W, valid n×W) of the final rows [top, end), 0 off the data;
-        the strip then starts at `end`."""
-        count, top = end - self.top, self.top
-        probs = self.sums[:, :count] / self.weights[:count]
-        valid = self.valid[:count].copy()
-        probs[:, ~valid] = 0
+    def release(self, end: int, rows: int):
+        """Yield (top, probabilities 4×n×W, valid n×W) for the final rows [top, end), `rows` at a
+        time (fresh arrays, 0 off the data); the strip then starts at `end`, its rows moved once."""
+        count = end - self.top
+        for start in range(0, count, rows):
+            band = slice(start, min(count, start + rows))
+            probs, valid = self.sums[:, band] / self.weights[band], self.valid[band].copy()
+            probs[:, ~valid] = 0
+            yield self.top + start, probs, valid
         for array in (self.sums[:, :], self.weights, self.valid):  # shift the kept rows up, clear the rest
             array[..., :array.shape[-2] - count, :] = array[..., count:, :]
             array[..., array.shape[-2] - count:, :] = 0
         self.top = end
-        return top, probs, valid
 
 
 def prefetched(function, items: list):
@@ -154,16 +155,10 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
         probs = ensemble_native(ensemble, images).float().cpu().numpy()
         for (row, column), window_probs, (_, valid) in zip(batch, probs, pieces):
             if row != current_row:
-                yield from released(blender, grid.tops[row])
+                yield from blender.release(grid.tops[row], RELEASE_ROWS)
                 current_row = row
             blender.add(window_probs, window_weights(grid, row, column), valid, grid.tops[row], grid.lefts[column])
-    yield from released(blender, scene.height)
-
-
-def released(blender: StripBlender, end: int):
-    """The final rows up to `end`, RELEASE_ROWS at a time (the outputs' temporaries stay small)."""
-    while blender.top < end:
-        yield blender.release(min(end, blender.top + RELEASE_ROWS))
+    yield from blender.release(scene.height, RELEASE_ROWS)
 
 
 # ---------------------------------------------------------------------------------- one scene

@@ -325,10 +325,11 @@ def test_memory_does_not_grow_with_the_scene(tiny_ensemble, tmp_path):
     """CPU, `make test-all` (about 1-2 min: a 20000×8000 scene, 160 megapixels, through a per-pixel
     stand-in model in 256×256 windows). One process maps a 20000×800 scene, then the 20000×8000
     one, and reports its peak resident memory before and after each (tests/ddp_entry.py
-    --memory-probe). Bounds: the second scene, ten times taller, adds under 32 MiB to the peak
-    (its RGB pixels alone are 458 MiB, its float32 probabilities 2.4 GiB); the first adds under
-    400 MiB (one row of windows: 256 rows × 20000 × 21 bytes = 102 MiB of sums, weights and
-    validity, with the batch, reads and output temporaries; measured 236 MiB on 2026-11-25).
+    --memory-probe). Bounds: the second scene, ten times taller, adds under 96 MiB to the peak
+    (its RGB pixels alone are 458 MiB, its float32 probabilities 2.4 GiB; what it adds is GDAL's
+    block cache, capped at 64 MB, filling further: 39 and 54 MiB measured on 2026-11-25); the
+    first adds under 400 MiB (one row of windows: 256 rows × 20000 × 21 bytes = 102 MiB of sums,
+    weights and validity, with the batch, reads and output temporaries; measured 207 and 237 MiB).
     Would catch: a scene read or blended whole, outputs gathered before writing, GDAL's block
     cache (5% of the RAM by default) holding the written scene."""
     import os
@@ -346,7 +347,7 @@ def test_memory_does_not_grow_with_the_scene(tiny_ensemble, tmp_path):
     peaks = {name: (int(before), int(after)) for _, name, before, after in
              (line.split() for line in result.stdout.splitlines() if line.startswith("peak_rss_mib"))}
     (start, first), (_, second) = peaks["a_wide.tif"], peaks["b_wide_and_tall.tif"]
-    assert second - first < 32 and first - start < 400, peaks
+    assert second - first < 96 and first - start < 400, peaks
     with rasterio.open(tmp_path / "out" / "b_wide_and_tall.tif") as out:
         assert out.shape == (8000, 20000)
 
