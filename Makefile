@@ -58,7 +58,7 @@ help:
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
 	@echo "make test-gpu  on a CUDA GPU: the tests marked gpu (mixed precision, predict, memory, resume; a few minutes)"
-	@echo "make bench     print benchmark tables (RLE codec, training and inference speed)"
+	@echo "make bench     print benchmark tables (RLE codec, tuning, training and inference speed, segment)"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
 
 install: $(STAMP)
@@ -73,10 +73,10 @@ $(STAMP): pyproject.toml requirements.txt | $(UV)
 	  echo "make install: TORCH_BACKEND changed to '$(TORCH_BACKEND)', recreating $(VENV)"; rm -rf $(VENV); fi
 	$(UV) venv -q --allow-existing --python $(PYTHON) $(VENV)
 ifeq ($(TORCH_BACKEND),)
-	$(UV) pip install -q --python $(PY) -r $(PINS) -e '.[dev]'
+	$(UV) pip install -q --python $(PY) -r $(PINS) -e '.[dev,geo]'
 else
 	grep -vE '$(TORCH_PINS)' requirements.txt > $(PINS)
-	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(PINS) -e '.[dev]'
+	$(UV) pip install -q --python $(PY) --torch-backend $(TORCH_BACKEND) -r $(PINS) -e '.[dev,geo]'
 	echo $(TORCH_BACKEND) > $(VENV)/.torch-backend
 endif
 	rm -f $(VENV)/.installed*
@@ -98,9 +98,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/rle_speed.py
 	$(PY) benchmarks/tune_speed.py
 	$(PY) benchmarks/train_speed.py
+	$(PY) benchmarks/segment_speed.py
 
 lock: | $(UV)
-	$(UV) pip compile -q pyproject.toml --extra dev --python-version 3.11 -o requirements.txt
+	$(UV) pip compile -q pyproject.toml --extra dev --extra geo --python-version 3.11 -o requirements.txt
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache

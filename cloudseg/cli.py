@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 import threading
@@ -99,6 +100,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_option(predict)
     predict.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. predict.threshold=0.45")
     predict.set_defaults(run=run_predict)
+
+    segment = commands.add_parser("segment", help="cloud-pattern maps of satellite scenes of any size (JPEG, PNG, "
+                                  "GeoTIFF): per-scene maps, area fractions, optional lat/lon grid")
+    segment.add_argument("scenes", nargs="+", metavar="SCENE",
+                         help="scene files, folders of them, or glob patterns; then config overrides, key=value")
+    segment.add_argument("--checkpoint", action="append", required=True, help="best.pt or last.pt; repeat to ensemble")
+    segment.add_argument("--out", required=True, help="output folder (a rerun skips the scenes done in it)")
+    segment.add_argument("--tile", type=int, nargs=2, metavar=("H", "W"),
+                         help="window size (default: the size the model trained on, data.image_size)")
+    segment.add_argument("--overlap", type=float,
+                         help="share of a window that neighbouring windows have in common, at least (default 0.25)")
+    segment.add_argument("--grid", type=float, metavar="DEGREES",
+                         help="also grid the fractions of georeferenced scenes on a lat/lon grid of this step into grid.nc")
+    segment.add_argument("--time-pattern", metavar="REGEX",
+                         help="where a scene's time is in its file name: named groups year, month, day (hour, minute) "
+                              "or year, doy (default: the first YYYYMMDD or YYYY-MM-DD); the GeoTIFF's "
+                              "TIFFTAG_DATETIME comes first")
+    segment.add_argument("--postprocess", metavar="FILE", help="the rule whose thresholds make the masks (as predict)")
+    add_device_option(segment)
+    segment.set_defaults(run=run_segment)
 
     oof = commands.add_parser("oof", help="write a checkpoint's out-of-fold probabilities (training does this too)")
     oof.add_argument("--checkpoint", required=True)
@@ -253,6 +274,19 @@ def run_predict(args) -> None:
 
     path = predict(args.checkpoint, args.data_dir, args.out, args.overrides, args.postprocess, args.device)
     print(f"wrote {path}")
+
+
+def run_segment(args) -> int:
+    from cloudseg.geo import TIME_PATTERN
+    from cloudseg.segment import segment
+
+    if args.overlap is not None and not 0 <= args.overlap < 1:
+        raise ValueError(f"--overlap must be at least 0 and below 1, got {args.overlap}")
+    overrides = [item for item in args.scenes if re.match(r"\w+(\.\w+)+=", item)]  # both come as positionals
+    scenes = [item for item in args.scenes if item not in overrides]
+    failed = segment(scenes, args.checkpoint, args.out, args.tile, args.overlap, args.grid,
+                     args.time_pattern or TIME_PATTERN, args.postprocess, overrides, args.device)
+    return min(failed, 100)  # the exit status: how many scenes failed (100 for 100 or more)
 
 
 def run_oof(args) -> None:

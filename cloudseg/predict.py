@@ -72,9 +72,14 @@ def batch_probabilities(models: list[CloudNet], images: torch.Tensor, dtype: tor
     """The models' mean probabilities for a batch (each with `predict.tta` and, when
     `predict.zero_black`, zero on no-data pixels), and the same resized to submission size.
     Averaging is linear, so averaging before the resize equals averaging after it."""
-    native = sum(predict_probs(model, images, dtype, predict.tta, predict.zero_black) for model in models)
-    native = native / len(models)
+    native = ensemble_probs(models, images, dtype, predict.tta, predict.zero_black)
     return Probabilities(native, resize_probs(native))
+
+
+def ensemble_probs(models: list[CloudNet], images: torch.Tensor, dtype: torch.dtype | None, tta: str = "none",
+                   zero_black: bool = False) -> torch.Tensor:
+    """The models' mean `predict_probs` at the images' own size."""
+    return sum(predict_probs(model, images, dtype, tta, zero_black) for model in models) / len(models)
 
 
 def no_data(images: torch.Tensor) -> torch.Tensor:
@@ -105,11 +110,47 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     """Average the checkpoints' probabilities at 350×525, post-process by the tuned rule (see
     `tuned_rule`), write a checked submission. `overrides` (predict.threshold=...) come last;
     `device`: auto (a GPU when PyTorch sees one), cpu or cuda."""
+    ensemble = load_ensemble(checkpoints, postprocess_file, overrides, device)
+    config, device = ensemble.config, ensemble.device
+    data_dir = data_dir or config.data.dir
+    dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size,
+                           decode=resolve_decode(config.data.decode, device))
+    rows = []
+    for batch in tqdm(make_loader(dataset, config.data, config.predict.batch_size, device), desc="predict",
+                      unit="batch", disable=None):
+        images = decode_batch(batch, device)["image"].to(device, non_blocking=True)
+        probs = resize_probs(ensemble_native(ensemble, images))
+        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate,
+                            ensemble.top_k)
+        for image_id, image_masks in zip(batch["image_id"], masks):
+            rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
+    path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)
+    log.info("wrote %s (%d rows) from %d checkpoint(s)", path, len(rows), len(ensemble.forwards))
+    return path
+
+
+class Ensemble(NamedTuple):
+    """The checkpoints' models ready to predict, as `predict` and `segment` run them."""
+    config: Config  # the first checkpoint's, with the tuned rule and the overrides applied
+    top_k: int  # the rule's empty-mask gate looks at this many pixels
+    device: torch.device
+    dtype: torch.dtype | None  # autocast's, from train.precision
+    compiling: bool  # predict.compile resolved for the device
+    forwards: list  # the models, each under torch.compile when compiling
+
+
+def load_ensemble(checkpoints: list[str], postprocess_file: str | None, overrides: list[str] = (),
+                  device: str = "auto") -> Ensemble:
+    """Load the checkpoints on `device` (auto, cpu or cuda), take the first one's config, the
+    tuned rule (see `tuned_rule`) and then `overrides` (predict.tta=..., predict.compile=...)."""
     rule_file = tuned_rule(checkpoints, postprocess_file)
     device = resolve_device(device)
     speed_switches(device)
     loaded = [load_model(path, device) for path in checkpoints]
-    models = [model for model, _ in loaded]
+    for path, (_, other) in zip(checkpoints[1:], loaded[1:]):
+        if other.data.image_size != loaded[0][1].data.image_size:
+            raise ValueError(f"{path}: trained on images of {other.data.image_size}, {checkpoints[0]} on "
+                             f"{loaded[0][1].data.image_size}: an ensemble's models must share one input size")
     raw = loaded[0][1].model_dump(mode="json")
     top_k = TOP_K
     if rule_file:
@@ -117,27 +158,21 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
         raw["predict"].update({key: rule[key] for key in RULE_KEYS})
         top_k = rule.get("top_k", TOP_K)
     config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
-    data_dir = data_dir or config.data.dir
-    dtype = autocast_dtype(config.train.precision, device)
-    dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size,
-                           decode=resolve_decode(config.data.decode, device))
     compiling = resolve_compile(config.predict.compile, device, "predict.compile")
+    models = [model for model, _ in loaded]
     forwards = [compiled(model) for model in models] if compiling else models
-    rows = []
-    for batch in tqdm(make_loader(dataset, config.data, config.predict.batch_size, device), desc="predict",
-                      unit="batch", disable=None):
-        images = decode_batch(batch, device)["image"].to(device, non_blocking=True)
-        if compiling:
-            images = padded(images, config.predict.batch_size)
-        with compile_logged(compiling, images.shape, what="prediction batches"):
-            probs = batch_probabilities(forwards, images, dtype, config.predict).submission[:len(batch["image_id"])]
-        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate,
-                            top_k)
-        for image_id, image_masks in zip(batch["image_id"], masks):
-            rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
-    path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)
-    log.info("wrote %s (%d rows) from %d checkpoint(s)", path, len(rows), len(models))
-    return path
+    return Ensemble(config, top_k, device, autocast_dtype(config.train.precision, device), compiling, forwards)
+
+
+def ensemble_native(ensemble: Ensemble, images: torch.Tensor) -> torch.Tensor:
+    """The ensemble's probabilities (`ensemble_probs` with the config's predict.tta and zero_black)
+    for a batch of at most predict.batch_size images, padded to that size for a compiled model."""
+    count, predict_config = len(images), ensemble.config.predict
+    if ensemble.compiling:
+        images = padded(images, predict_config.batch_size)
+    with compile_logged(ensemble.compiling, images.shape, what="prediction batches"):
+        native = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta, predict_config.zero_black)
+    return native[:count]
 
 
 def tuned_rule(checkpoints: list[str], postprocess_file: str | None) -> Path | None:

@@ -139,3 +139,21 @@ def _sugar(rng, height, width, unit):  # Sugar: faint fine horizontal streaks
 
 
 TEXTURES = {"Fish": _stripes, "Flower": _flowers, "Gravel": _gravel, "Sugar": _sugar}
+
+
+def synthetic_scene(path, rows: int = 2, columns: int = 3, shape=(192, 288), west: float = -58.0,
+                    north: float = 15.0, degrees_per_pixel: float = 0.01, when: str = "2020:02:02 14:00:00",
+                    seed: int = 0) -> tuple[Path, np.ndarray]:
+    """A georeferenced satellite scene for `cloudseg segment`: rows×columns synthetic images of
+    `shape` side by side in one RGB GeoTIFF (EPSG:4326, its north-west corner at west, north,
+    square pixels of `degrees_per_pixel`, TIFFTAG_DATETIME `when`). Returns the path and the
+    scene's true masks (4×H×W). Needs the geo extra (rasterio)."""
+    from cloudseg.geo import geo_module, write_rgb_geotiff
+
+    rng = np.random.default_rng(seed)
+    drawn = [[sample(rng, *shape) for _ in range(columns)] for _ in range(rows)]
+    image = np.concatenate([np.concatenate([d[0] for d in row], axis=1) for row in drawn], axis=0)
+    masks = np.concatenate([np.concatenate([d[1] for d in row], axis=2) for row in drawn], axis=1)
+    transform = geo_module("rasterio.transform").from_origin(west, north, degrees_per_pixel, degrees_per_pixel)
+    write_rgb_geotiff(path, image, "EPSG:4326", transform, tags={"TIFFTAG_DATETIME": when})
+    return Path(path), masks

@@ -293,3 +293,61 @@ def tuned_rule(run_dir: str | Path) -> dict | None:
 
     path = Path(run_dir).parent / "postprocess.json"
     return read_rule_file(path) if path.is_file() else None
+
+
+# ---------------------------------------------------------------------------------- segment (satellite scenes)
+
+
+def scene_map(scene_path: str | Path, out_dir: str | Path | None = None, masks: np.ndarray | None = None) -> np.ndarray:
+    """The scene with the masks `cloudseg segment` wrote for it into `out_dir`, or with `masks`
+    (4×H×W, e.g. the truth), drawn over it, above a legend. The scene is read whole: for a look at
+    small ones."""
+    from cloudseg.geo import open_scene
+
+    with open_scene(scene_path) as scene:
+        image = scene.read(0, 0, scene.height, scene.width)[0].transpose(1, 2, 0)
+    masks = written_masks(Path(scene_path), Path(out_dir)) if masks is None else masks
+    return np.concatenate([overlay(image, masks), legend(image.shape[1])], axis=0)
+
+
+def written_masks(scene_path: Path, out_dir: Path) -> np.ndarray:
+    """4×H×W masks that `cloudseg segment` wrote for a scene (NAME.tif's mask bands, or
+    NAME_masks.png's class bits), 0 on no-data."""
+    from cloudseg.geo import GEOTIFF_SUFFIXES, NODATA, geo_module
+
+    if scene_path.suffix.lower() in GEOTIFF_SUFFIXES:
+        with geo_module("rasterio").open(out_dir / f"{scene_path.stem}.tif") as maps:
+            masks = maps.read(list(range(len(LABELS) + 1, 2 * len(LABELS) + 1)))
+    else:
+        bits = cv2.imread(str(out_dir / f"{scene_path.stem}_masks.png"), cv2.IMREAD_UNCHANGED)
+        masks = np.stack([(bits >> k) & 1 for k in range(len(LABELS))])
+    return np.where(masks == NODATA, 0, masks).astype(np.uint8)
+
+
+def training_image_shape(run_dir: str | Path) -> tuple[int, int]:
+    """(H, W) of the images a run trained on: its data.image_size, else its first training image's."""
+    from cloudseg.config import load_config
+    from cloudseg.data import image_shape
+    from cloudseg.task import TRAIN_IMAGES
+
+    data = load_config(Path(run_dir) / "config.yaml").data
+    return tuple(data.image_size or image_shape(min((Path(data.dir) / TRAIN_IMAGES).iterdir())))
+
+
+def plot_gridded_fractions(grid, index: int = 0):
+    """One map per class of a grid.nc dataset's `fraction` at time (or scene) `index`, with the
+    valid pixels per cell beside them."""
+    first = grid.fraction.dims[0]
+    fig, axes = plt.subplots(1, len(LABELS) + 1, figsize=(4 * (len(LABELS) + 1), 3.4))
+    extent = [float(grid.lon.min()) - grid.grid_degrees / 2, float(grid.lon.max()) + grid.grid_degrees / 2,
+              float(grid.lat.min()) - grid.grid_degrees / 2, float(grid.lat.max()) + grid.grid_degrees / 2]
+    for ax, label in zip(axes, LABELS):
+        shown = ax.imshow(grid.fraction.isel({first: index}).sel({"class": label}).values, origin="lower",
+                          extent=extent, vmin=0, vmax=1, cmap="viridis")
+        ax.set(title=label, xlabel="longitude", ylabel="latitude")
+    fig.colorbar(shown, ax=axes[:-1], label="area fraction")
+    cells = axes[-1].imshow(grid.valid_pixels.isel({first: index}).values, origin="lower", extent=extent, cmap="Greys")
+    axes[-1].set(title="valid pixels", xlabel="longitude")
+    fig.colorbar(cells, ax=axes[-1])
+    fig.suptitle(f"{first} {grid[first].values[index]}")
+    return fig

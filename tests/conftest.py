@@ -113,3 +113,18 @@ def aot_eager(monkeypatch):
     counters.clear()
     yield counters
     torch._dynamo.reset()
+
+
+def write_tiny_checkpoint(path, image_size=TINY_SHAPE, seed=0, options=()):
+    """A checkpoint of an untrained tiny UNet (mobilenet_v2 encoder, decoder [16,8,8,8,8]) that
+    trained on images of `image_size`, without a training run: for the commands that only load one."""
+    from cloudseg.checkpoint import save_checkpoint
+    from cloudseg.config import load_config
+    from cloudseg.model import build_model
+
+    size = "null" if image_size is None else f"[{image_size[0]},{image_size[1]}]"
+    config = load_config("configs/demo.yaml", [*TINY, f"data.image_size={size}", *options])
+    torch.manual_seed(seed)
+    model = build_model(config.model, pretrained=False).eval()
+    save_checkpoint(path, {"model": model.state_dict(), "config": config.model_dump(mode="json"), "epoch": 0, "step": 0})
+    return path

@@ -67,3 +67,12 @@ def test_recipes_benchmark_prints_one_row_per_option(tmp_path):
     assert {load_config(tmp_path / "r" / option / "config.yaml").train.device for option in rows} == {"cpu"}
     assert set(rows) == {"unet", "ema", "fpn", "unetplusplus"}
     assert all(0 <= float(row[3]) <= 1 and 0 <= float(row[4]) <= 1 for row in rows.values())
+
+
+def test_segment_benchmark_prints_its_table():
+    out = run("benchmarks/segment_speed.py", "--scenes", "1", "--height", "128", "--width", "192", "--tile", "64", "96",
+              "--repeat", "1", "--device", "cpu")
+    for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
+                "c. cloudseg segment, overlap 0.25 (batch 4)"):
+        assert f"| {row} |" in out
+    assert "scenes/s | megapixels/s" in out

@@ -22,7 +22,7 @@ def planned_install(venv: Path, *args: str) -> str:
 def test_default_install_keeps_the_pinned_build(tmp_path):
     """Catches the knob changing today's install when it is not used."""
     plan = planned_install(tmp_path / "venv")
-    assert "-r requirements.txt -e '.[dev]'" in plan and "--torch-backend" not in plan
+    assert "-r requirements.txt -e '.[dev,geo]'" in plan and "--torch-backend" not in plan
 
 
 def test_a_backend_installs_torch_from_it_without_the_pins_of_the_default_build(tmp_path):
@@ -32,7 +32,7 @@ def test_a_backend_installs_torch_from_it_without_the_pins_of_the_default_build(
     venv = tmp_path / "venv"
     venv.mkdir()
     plan = planned_install(venv, "TORCH_BACKEND=cu126")
-    assert f"--torch-backend cu126 -r {venv}/requirements-without-torch.txt -e '.[dev]'" in plan
+    assert f"--torch-backend cu126 -r {venv}/requirements-without-torch.txt -e '.[dev,geo]'" in plan
     filtering = next(line for line in plan.splitlines() if line.startswith("grep "))
     subprocess.run(filtering, shell=True, cwd=ROOT, check=True)
     kept = set(re.findall(r"^([a-z0-9-]+)==", (venv / "requirements-without-torch.txt").read_text(), re.M))

@@ -13,7 +13,7 @@ NOTEBOOKS = sorted(Path("notebooks").glob("*.ipynb"))
 
 
 def test_notebooks_are_committed_without_outputs():
-    assert [p.name for p in NOTEBOOKS] == ["01_eda.ipynb", "02_results.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["01_eda.ipynb", "02_results.ipynb", "03_segment.ipynb"]
     for path in NOTEBOOKS:
         for cell in nbformat.read(path, as_version=4).cells:
             if cell.cell_type == "code":
@@ -43,6 +43,7 @@ def test_notebooks_execute_on_a_tiny_synthetic_dataset(tiny_data, tmp_path, monk
     tune([run])  # writes runs/postprocess.json, which the results notebook shows
     monkeypatch.setenv("CLOUDSEG_DATA", str(data))
     monkeypatch.setenv("CLOUDSEG_RUN", str(run))
+    monkeypatch.setenv("CLOUDSEG_SEGMENT_OUT", str(tmp_path / "segment"))  # 03_segment's scenes and maps
     for path in NOTEBOOKS:
         executed = nbformat.read(execute(path, out_dir=tmp_path / "executed"), as_version=4)
         outputs = [o for cell in executed.cells for o in cell.get("outputs", [])]

@@ -1,0 +1,296 @@
+"""Satellite scenes for `cloudseg segment`: reading JPEG, PNG and GeoTIFF scenes window by window,
+writing GeoTIFF outputs with the scene's georeference, and gridding pattern fractions on a
+latitude/longitude grid into one NetCDF dataset.
+
+Data path (beyond the competition): scene → **windows read here** → model (cloudseg.segment) →
+blended probabilities → **GeoTIFF / PNG outputs, fractions, lat/lon grid written here**.
+
+rasterio (GeoTIFF) and xarray (NetCDF, written through scipy) come with the optional extra
+`pip install cloudseg[geo]`; JPEG and PNG scenes without a grid need neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import re
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from cloudseg.data import read_image
+from cloudseg.files import atomic_path
+from cloudseg.predict import no_data
+from cloudseg.task import LABELS
+
+GEOTIFF_SUFFIXES = (".tif", ".tiff")
+SCENE_SUFFIXES = (".jpg", ".jpeg", ".png", *GEOTIFF_SUFFIXES)
+GDAL_CACHE_MB = 64  # GDAL's block cache (default: 5% of the RAM) would otherwise hold the output scene
+NODATA = 255  # in every output band: probabilities are 0-254 (p x 254), masks 0/1
+TIME_PATTERN = r"(?P<year>\d{4})-?(?P<month>\d{2})-?(?P<day>\d{2})"
+"""Default --time-pattern: the first YYYYMMDD or YYYY-MM-DD in a scene's file name."""
+
+
+def geo_module(name: str):
+    """rasterio or xarray (or one of their modules), or a one-line error naming the extra that installs them."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise RuntimeError(f"{name.partition('.')[0]} is not installed: GeoTIFF scenes and --grid need the geo extra "
+                           "(pip install cloudseg[geo])") from None
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+class ImageScene:
+    """A JPEG or PNG scene, decoded whole (neither format can be read by windows)."""
+
+    crs = transform = None
+    tags: dict = {}
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.image = read_image(path) if path.suffix.lower() in (".jpg", ".jpeg") else read_png(path)
+        self.height, self.width = self.image.shape[:2]
+
+    def read(self, top: int, left: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The window's 3×h×w uint8 RGB pixels and its h×w valid mask (False on no-data)."""
+        pixels = np.ascontiguousarray(self.image[top:top + height, left:left + width].transpose(2, 0, 1))
+        return pixels, valid_pixels(pixels)
+
+    def close(self) -> None:
+        pass
+
+
+def read_png(path: Path) -> np.ndarray:
+    """An 8-bit RGB PNG as H×W×3 uint8 RGB; other kinds are refused with what to do."""
+    image = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    if image is None:
+        raise ValueError(f"{path}: corrupt or unreadable PNG")
+    check_pixels(path, 1 if image.ndim == 2 else image.shape[2], image.dtype)
+    return cv2.cvtColor(image[..., :3], cv2.COLOR_BGR2RGB)
+
+
+def check_pixels(path: Path, bands: int, dtype) -> None:
+    """Scenes are 8-bit RGB, as the model trained on: anything else is refused with the rule to use."""
+    if bands < 3:
+        raise ValueError(f"{path}: {bands}-band scene; the model needs 3 bands (RGB): make one from your bands first, "
+                         "e.g. gdal_translate -b 1 -b 1 -b 1 for a grey scene")
+    if np.dtype(dtype) != np.uint8:
+        raise ValueError(f"{path}: {np.dtype(dtype)} pixels; the model needs 8-bit RGB: rescale first, e.g. "
+                         "gdal_translate -ot Byte -scale MIN MAX 0 255 (the range your visible-light images span)")
+
+
+def valid_pixels(pixels: np.ndarray) -> np.ndarray:
+    """h×w: False where the 3×h×w window is black no-data (predict.no_data's rule)."""
+    return ~no_data(torch.from_numpy(pixels)[None])[0, 0].numpy()
+
+
+class GeoTiffScene:
+    """A GeoTIFF scene read window by window (memory bounded by the window, not the scene).
+    No-data: the file's nodata value, mask or alpha band (GDAL's dataset mask), and black pixels."""
+
+    def __init__(self, path: Path):
+        rasterio = geo_module("rasterio")
+        self.path = path
+        try:
+            self.dataset = rasterio.open(path)
+        except rasterio.errors.RasterioIOError as error:
+            raise ValueError(f"{path}: not a readable GeoTIFF ({one_line(error)})") from None
+        with_alpha = self.dataset.count == 4 and self.dataset.colorinterp[3].name == "alpha"
+        check_pixels(path, self.dataset.count, self.dataset.dtypes[0])
+        if self.dataset.count > 3 and not with_alpha:
+            raise ValueError(f"{path}: {self.dataset.count} bands; the model needs 3 (RGB): keep them first, "
+                             "e.g. gdal_translate -b R -b G -b B")
+        self.height, self.width = self.dataset.height, self.dataset.width
+        self.crs, self.transform = self.dataset.crs, self.dataset.transform
+        self.tags = self.dataset.tags()
+
+    def read(self, top: int, left: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        window = geo_module("rasterio.windows").Window(left, top, width, height)
+        pixels = self.dataset.read((1, 2, 3), window=window)
+        return pixels, valid_pixels(pixels) & (self.dataset.dataset_mask(window=window) > 0)
+
+    def close(self) -> None:
+        self.dataset.close()
+
+
+def one_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+@contextlib.contextmanager
+def open_scene(path: str | Path):
+    """An ImageScene or GeoTiffScene by the file's suffix; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: scene not found")
+    if path.suffix.lower() not in GEOTIFF_SUFFIXES:
+        yield ImageScene(path)
+        return
+    with geo_module("rasterio").Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
+        scene = GeoTiffScene(path)
+        try:
+            yield scene
+        finally:
+            scene.close()
+
+
+def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.datetime64 | None:
+    """The scene's time: the file's TIFFTAG_DATETIME (YYYY:MM:DD HH:MM:SS) when it has one, else
+    the first match of `pattern` in the file name (named groups year, month, day and optionally
+    hour, minute; or year and doy, the day of the year as in MODIS names A2020032); else None."""
+    stamp = tags.get("TIFFTAG_DATETIME")
+    if stamp:
+        return np.datetime64(datetime.datetime.strptime(stamp.strip(), "%Y:%m:%d %H:%M:%S"), "s")
+    match = re.search(pattern, path.name)
+    if not match:
+        return None
+    parts = {key: int(value) for key, value in match.groupdict().items() if value}
+    if "doy" in parts:
+        day = datetime.datetime(parts["year"], 1, 1) + datetime.timedelta(days=parts["doy"] - 1)
+        parts.update(month=day.month, day=day.day)
+    when = datetime.datetime(parts["year"], parts["month"], parts["day"], parts.get("hour", 0), parts.get("minute", 0))
+    return np.datetime64(when, "s")
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+def output_bands(probs: np.ndarray, masks: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """8×h×w uint8: the four probabilities as p x 254 rounded, then the four masks (0/1); NODATA
+    (255) in every band where the scene had no data."""
+    bands = np.concatenate([np.rint(probs * (NODATA - 1)).astype(np.uint8), masks.astype(np.uint8)])
+    bands[:, ~valid] = NODATA
+    return bands
+
+
+# Rows of a strip of the output GeoTIFF: rows arrive a band at a time, so strips (not tiles) are
+# complete soon after, written once, and leave the cache (a tile rewritten would grow the file).
+OUTPUT_STRIP_ROWS = 16
+BAND_NAMES = [f"{label} probability x254" for label in LABELS] + [f"{label} mask" for label in LABELS]
+
+
+@contextlib.contextmanager
+def geotiff_writer(path: Path, scene: GeoTiffScene):
+    """A rasterio dataset for `path` with the scene's size, CRS and transform, 8 uint8 bands
+    (`output_bands`) and nodata NODATA; written to a temporary file renamed over `path` at the end."""
+    rasterio = geo_module("rasterio")
+    profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(BAND_NAMES), dtype="uint8",
+                   crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
+                   compress="deflate", zlevel=1, BIGTIFF="IF_SAFER")
+    with atomic_path(path) as tmp, rasterio.open(tmp, "w", **profile) as out:
+        for band, name in enumerate(BAND_NAMES, start=1):
+            out.set_band_description(band, name)
+        yield out
+
+
+def write_geotiff_rows(out, top: int, bands: np.ndarray) -> None:
+    """Write 8×h×W rows of `output_bands` at row `top`."""
+    window = geo_module("rasterio.windows").Window(0, top, bands.shape[2], bands.shape[1])
+    out.write(bands, window=window)
+
+
+def write_rgb_geotiff(path: str | Path, image: np.ndarray, crs, transform, nodata=None, tags: dict | None = None,
+                      **profile) -> Path:
+    """An H×W×3 uint8 RGB image as a GeoTIFF (CRS, transform, nodata, tags such as
+    TIFFTAG_DATETIME; `profile`: creation options such as tiled=True), never half-written: how
+    synthetic scenes, the tests' and the benchmark's, are made."""
+    rasterio = geo_module("rasterio")
+    with atomic_path(path) as tmp, rasterio.open(tmp, "w", driver="GTiff", width=image.shape[1], height=image.shape[0],
+                                                  count=3, dtype="uint8", crs=crs, transform=transform, nodata=nodata,
+                                                  **profile) as out:
+        out.write(image.transpose(2, 0, 1))
+        if tags:
+            out.update_tags(**tags)
+    return Path(path)
+
+
+def write_png(path: Path, rgb_or_grey: np.ndarray) -> Path:
+    """A PNG written atomically (H×W grey or H×W×3 RGB uint8)."""
+    image = rgb_or_grey if rgb_or_grey.ndim == 2 else cv2.cvtColor(rgb_or_grey, cv2.COLOR_RGB2BGR)
+    ok, data = cv2.imencode(".png", image)
+    if not ok:
+        raise ValueError(f"{path}: OpenCV could not encode the PNG")
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.tobytes())
+    return path
+
+
+def class_bits(masks: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """H×W uint8: bit k set where class k's mask is (Fish 1, Flower 2, Gravel 4, Sugar 8); NODATA off the data."""
+    bits = sum((masks[k].astype(np.uint8) << k) for k in range(len(LABELS))).astype(np.uint8)
+    bits[~valid] = NODATA
+    return bits
+
+
+# ---------------------------------------------------------------------------------- lat/lon grid
+
+
+def lat_lon(transform, crs, top: int, rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Latitude and longitude (degrees, rows×width) of the centres of those rows' pixels."""
+    lines, columns = np.meshgrid(np.arange(top, top + rows), np.arange(width), indexing="ij")
+    xs, ys = geo_module("rasterio.transform").xy(transform, lines.ravel(), columns.ravel(), offset="center")
+    if not crs.is_geographic:
+        xs, ys = geo_module("rasterio.warp").transform(crs, "EPSG:4326", xs, ys)
+    return np.reshape(ys, lines.shape), (np.reshape(xs, lines.shape) + 180) % 360 - 180
+
+
+def grid_counts(lats: np.ndarray, lons: np.ndarray, masks: np.ndarray, valid: np.ndarray,
+                step: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per lat/lon cell of `step` degrees touched by valid pixels: (cells K×2 [lat index, lon
+    index], counts K×5 [valid pixels, then each class's mask pixels]). Cell (i, j) spans latitudes
+    -90 + i·step to -90 + (i+1)·step and longitudes -180 + j·step to -180 + (j+1)·step."""
+    lat_index = np.floor((lats[valid] + 90) / step).astype(np.int64)
+    lon_index = np.floor((lons[valid] + 180) / step).astype(np.int64)
+    keys, inverse = np.unique(lat_index * 1_000_000 + lon_index, return_inverse=True)
+    counts = [np.bincount(inverse, minlength=len(keys))]
+    counts += [np.bincount(inverse, weights=mask[valid], minlength=len(keys)) for mask in masks]
+    return np.stack([keys // 1_000_000, keys % 1_000_000], 1), np.stack(counts, 1).astype(np.int64)
+
+
+def summed_cells(cells: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`grid_counts` pieces (concatenated) with each cell once, its counts summed."""
+    unique, inverse = np.unique(cells, axis=0, return_inverse=True)
+    total = np.zeros((len(unique), counts.shape[1]), np.int64)
+    np.add.at(total, inverse.ravel(), counts)
+    return unique, total
+
+
+def grid_dataset(records: list[dict], step: float):
+    """One xarray Dataset over all scenes' gridded counts (each record: `name`, `time` or None,
+    `cells`, `counts` as `grid_counts` gives them). Dimensions (time, lat, lon, class), scenes of
+    the same time summed, or (scene, lat, lon, class) when a scene has no time. Variables:
+    `fraction` (class pixels over valid pixels; NaN where no valid pixel) and `valid_pixels`."""
+    xr = geo_module("xarray")
+    by_time = all(record["time"] is not None for record in records)
+    keys = sorted({record["time"] if by_time else record["name"] for record in records})
+    all_cells = np.concatenate([np.asarray(record["cells"], np.int64).reshape(-1, 2) for record in records])
+    (lat0, lon0), (lat1, lon1) = all_cells.min(0), all_cells.max(0)
+    counts = np.zeros((len(keys), lat1 - lat0 + 1, lon1 - lon0 + 1, 1 + len(LABELS)), np.int64)
+    for record in records:
+        cells = np.asarray(record["cells"], np.int64).reshape(-1, 2)
+        key = keys.index(record["time"] if by_time else record["name"])
+        np.add.at(counts, (key, cells[:, 0] - lat0, cells[:, 1] - lon0), np.asarray(record["counts"], np.int64))
+    valid = counts[..., 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fraction = (counts[..., 1:] / valid[..., None]).astype(np.float32)
+    first = "time" if by_time else "scene"
+    return xr.Dataset(
+        {"fraction": ((first, "lat", "lon", "class"), fraction, {"long_name": "area fraction of valid pixels"}),
+         "valid_pixels": ((first, "lat", "lon"), valid.astype(np.int32), {"long_name": "valid pixels in the cell"})},
+        coords={first: np.array(keys), "class": list(LABELS),
+                "lat": -90 + (np.arange(lat0, lat1 + 1) + 0.5) * step,
+                "lon": -180 + (np.arange(lon0, lon1 + 1) + 0.5) * step},
+        attrs={"grid_degrees": step, "source": "cloudseg segment"})
+
+
+def write_netcdf(dataset, path: Path) -> Path:
+    """NetCDF3 (xarray through scipy, no further package), never half-written."""
+    with atomic_path(path) as tmp:
+        dataset.to_netcdf(tmp, engine="scipy", format="NETCDF3_64BIT")
+    return path

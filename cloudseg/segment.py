@@ -1,0 +1,389 @@
+"""`cloudseg segment`: cloud-pattern maps of satellite scenes of any size, at native resolution.
+
+Data path (beyond the competition): checkpoint(s) → scene read by windows (cloudseg.geo) →
+**windows in batches through the ensemble, blended** → the run's tuned threshold → per-scene
+GeoTIFF or PNG maps, area fractions and the lat/lon grid (cloudseg.geo).
+
+Windows are the size the model trained on (data.image_size, or --tile), overlapping by
+--overlap of a tile. Each window's probabilities are weighted by a raised-cosine ramp across
+every overlap with a neighbour (weight 1 elsewhere, at the scene's own edges included), and the
+weights of two neighbours sum to 1 there: no seam, and a scene that fits one window gets exactly
+predict's probabilities. Windows go through the model row by row; rows above the next row of
+windows are final, leave for the outputs and are dropped, so memory holds one row of windows
+(tile height × scene width), never the scene. No-data pixels (black, or the GeoTIFF's nodata,
+mask or alpha) get probability 0, are written as nodata and count in no fraction.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from cloudseg import distributed, geo
+from cloudseg.files import atomic_path, new_hidden_file
+from cloudseg.hardware import resolve_device
+from cloudseg.postprocess import postprocess
+from cloudseg.predict import Ensemble, ensemble_native, load_ensemble
+from cloudseg.task import LABELS
+from cloudseg.viz import overlay
+
+log = logging.getLogger("cloudseg")
+
+OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighbour
+RELEASE_ROWS = 32  # final rows handed to the outputs at once (their float32 and uint8 temporaries)
+FRACTIONS_CSV = "fractions.csv"
+GRID_NC = "grid.nc"
+
+
+# ---------------------------------------------------------------------------------- tiling
+
+
+class Tiling(NamedTuple):
+    tops: list[int]  # first row of each row of windows
+    lefts: list[int]  # first column of each column of windows
+    height: int  # window size, the tile's or the scene's where the scene is smaller
+    width: int
+
+
+def tiling(height: int, width: int, tile: tuple[int, int], overlap: float) -> Tiling:
+    """The windows covering a height×width scene with tiles of `tile` (H, W) or smaller."""
+    tile_height, tile_width = min(tile[0], height), min(tile[1], width)
+    return Tiling(window_starts(height, tile_height, overlap), window_starts(width, tile_width, overlap),
+                  tile_height, tile_width)
+
+
+def window_starts(length: int, tile: int, overlap: float) -> list[int]:
+    """Starts of tiles covering [0, length), spread evenly, neighbours sharing at least
+    `overlap` of a tile (the last tile ends at the scene's edge)."""
+    if length <= tile:
+        return [0]
+    stride = max(1, int(tile * (1 - overlap)))
+    count = -(-(length - tile) // stride) + 1
+    return np.round(np.linspace(0, length - tile, count)).astype(int).tolist()
+
+
+def ramp(size: int) -> np.ndarray:
+    """Rising weights sin²(π/2 · (k + ½) / size): a ramp and its mirror image sum to 1."""
+    return (np.sin(np.pi / 2 * (np.arange(size) + 0.5) / size) ** 2).astype(np.float32)
+
+
+def axis_weights(starts: list[int], tile: int, index: int) -> np.ndarray:
+    """Weights along one axis of window `index`: ramps across its overlaps with the windows
+    before and after it, 1 elsewhere (at the scene's edges too)."""
+    weights = np.ones(tile, np.float32)
+    if index > 0:
+        shared = starts[index - 1] + tile - starts[index]
+        weights[:shared] *= ramp(shared)
+    if index < len(starts) - 1:
+        shared = starts[index] + tile - starts[index + 1]
+        weights[tile - shared:] *= ramp(shared)[::-1]
+    return weights
+
+
+def window_weights(grid: Tiling, row: int, column: int) -> np.ndarray:
+    """height×width blending weights of window (row, column) of `grid`."""
+    return np.outer(axis_weights(grid.tops, grid.height, row), axis_weights(grid.lefts, grid.width, column))
+
+
+class StripBlender:
+    """Weighted sums of window probabilities over rows [top, top + window height) of the scene."""
+
+    def __init__(self, rows: int, width: int):
+        self.top = 0
+        self.sums = np.zeros((len(LABELS), rows, width), np.float32)
+        self.weights = np.zeros((rows, width), np.float32)
+        self.valid = np.zeros((rows, width), bool)
+
+    def add(self, probs: np.ndarray, weights: np.ndarray, valid: np.ndarray, top: int, left: int) -> None:
+        rows = slice(top - self.top, top - self.top + weights.shape[0])
+        columns = slice(left, left + weights.shape[1])
+        self.sums[:, rows, columns] += probs * weights
+        self.weights[rows, columns] += weights
+        self.valid[rows, columns] = valid
+
+    def release(self, end: int, rows: int):
+        """Yield (top, probabilities 4×n×W, valid n×W) for the final rows [top, end), `rows` at a
+        time (fresh arrays, 0 off the data); the strip then starts at `end`, its rows moved once."""
+        count = end - self.top
+        for start in range(0, count, rows):
+            band = slice(start, min(count, start + rows))
+            probs, valid = self.sums[:, band] / self.weights[band], self.valid[band].copy()
+            probs[:, ~valid] = 0
+            yield self.top + start, probs, valid
+        for array in (self.sums[:, :], self.weights, self.valid):  # shift the kept rows up, clear the rest
+            array[..., :array.shape[-2] - count, :] = array[..., count:, :]
+            array[..., array.shape[-2] - count:, :] = 0
+        self.top = end
+
+
+def prefetched(function, items: list):
+    """function(item) for each item, in order, the next one computed in a thread meanwhile
+    (reading a window overlaps the model's work; GDAL and OpenCV release the GIL; `in_background` overlaps the writing likewise)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(function, items[0]) if items else None
+        for index in range(len(items)):
+            result = pending.result()
+            pending = pool.submit(function, items[index + 1]) if index + 1 < len(items) else None
+            yield result
+
+
+def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float):
+    """Yield (top, probabilities 4×n×W float32, valid n×W) for bands of final rows of `scene`,
+    top to bottom, from its windows batched through the ensemble and blended."""
+    grid = tiling(scene.height, scene.width, tile, overlap)
+    windows = [(row, column) for row in range(len(grid.tops)) for column in range(len(grid.lefts))]
+    size = ensemble.config.predict.batch_size
+    batches = [windows[start:start + size] for start in range(0, len(windows), size)]
+
+    def read(batch):
+        return [scene.read(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
+
+    blender, current_row = StripBlender(grid.height, scene.width), 0
+    for batch, pieces in zip(batches, prefetched(read, batches)):
+        images = torch.from_numpy(np.stack([pixels for pixels, _ in pieces])).to(ensemble.device)
+        probs = ensemble_native(ensemble, images).float().cpu().numpy()
+        for (row, column), window_probs, (_, valid) in zip(batch, probs, pieces):
+            if row != current_row:
+                yield from blender.release(grid.tops[row], RELEASE_ROWS)
+                current_row = row
+            blender.add(window_probs, window_weights(grid, row, column), valid, grid.tops[row], grid.lefts[column])
+    yield from blender.release(scene.height, RELEASE_ROWS)
+
+
+# ---------------------------------------------------------------------------------- one scene
+
+
+class SegmentOptions(NamedTuple):
+    tile: tuple[int, int]  # window (H, W)
+    overlap: float = OVERLAP  # share of a tile that neighbouring windows have in common (at least)
+    grid: float | None = None  # lat/lon cell size in degrees, or no grid
+    time_pattern: str = geo.TIME_PATTERN  # where a scene's time is in its file name (see geo.scene_time)
+
+
+class SceneCounts:
+    """Valid pixels and each class's mask pixels of a scene, in total and per lat/lon cell."""
+
+    def __init__(self, scene, grid: float | None):
+        self.scene, self.grid = scene, grid  # the grid asked for; only a scene with a CRS has cells
+        self.gridded = bool(grid) and scene.crs is not None
+        self.valid, self.classes = 0, np.zeros(len(LABELS), np.int64)
+        self.cells, self.cell_counts = [np.zeros((0, 2), np.int64)], [np.zeros((0, 1 + len(LABELS)), np.int64)]
+
+    def add(self, top: int, masks: np.ndarray, valid: np.ndarray) -> None:
+        self.valid += int(valid.sum())
+        self.classes += masks[:, valid].sum(1, dtype=np.int64)
+        if self.gridded:
+            lats, lons = geo.lat_lon(self.scene.transform, self.scene.crs, top, len(valid), self.scene.width)
+            cells, counts = geo.grid_counts(lats, lons, masks, valid, self.grid)
+            self.cells.append(cells)
+            self.cell_counts.append(counts)
+
+    def record(self, name: str, when) -> dict:
+        """What the scene's NAME.json holds: the fractions, and the grid cells when gridded."""
+        fractions = self.classes / self.valid if self.valid else np.full(len(LABELS), np.nan)
+        record = {"name": name, "time": None if when is None else str(when), "height": self.scene.height,
+                  "width": self.scene.width, "valid_pixels": self.valid, "grid": self.grid,
+                  **{label: float(value) for label, value in zip(LABELS, fractions)}}
+        if self.gridded:
+            cells, counts = geo.summed_cells(np.concatenate(self.cells), np.concatenate(self.cell_counts))
+            record.update(cells=cells.tolist(), counts=counts.tolist())
+        return record
+
+
+def masks_of(probs: np.ndarray, ensemble: Ensemble) -> np.ndarray:
+    """4×n×W uint8 masks by the run's tuned per-class threshold (the rule's minimum area and gate
+    are not applied: they were tuned on whole 1400×2100 images, see docs/segment.md)."""
+    return postprocess(probs[None], ensemble.config.predict.threshold, (0,) * len(LABELS))[0]
+
+
+def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: SegmentOptions) -> dict:
+    """Map one scene into `out_dir` (GeoTIFF in: NAME.tif; JPEG/PNG in: NAME_masks.png and
+    NAME_overlay.png), then NAME.json, its fractions, last: its presence means the scene is done."""
+    with geo.open_scene(path) as scene:
+        counts = SceneCounts(scene, options.grid)
+        rows = blended_rows(scene, ensemble, options.tile, options.overlap)
+        if isinstance(scene, geo.GeoTiffScene):
+            map_geotiff(scene, rows, ensemble, counts, out_dir / f"{path.stem}.tif")
+        else:
+            map_image(scene, rows, ensemble, counts, out_dir / path.stem)
+        record = counts.record(path.name, geo.scene_time(path, scene.tags, options.time_pattern))
+    with atomic_path(done_file(out_dir, path)) as tmp:
+        tmp.write_text(json.dumps(record))
+    return record
+
+
+def map_geotiff(scene, rows, ensemble: Ensemble, counts: SceneCounts, out: Path) -> None:
+    """Write the blended `rows` of a GeoTIFF scene into the GeoTIFF `out` as they come, in a
+    thread while the model works on the next ones."""
+    def write(top, probs, valid):
+        masks = masks_of(probs, ensemble)
+        geo.write_geotiff_rows(written, top, geo.output_bands(probs, masks, valid))
+        counts.add(top, masks, valid)
+
+    with geo.geotiff_writer(out, scene) as written:
+        in_background(write, rows)
+
+
+def in_background(function, items) -> None:
+    """function(*item) for each item, in order, in a thread, one at a time: the next item is
+    computed meanwhile, and waits for the previous call (so at most two items are held)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = None
+        for item in items:
+            if pending:
+                pending.result()
+            pending = pool.submit(function, *item)
+        if pending:
+            pending.result()
+
+
+def map_image(scene, rows, ensemble: Ensemble, counts: SceneCounts, stem: Path) -> None:
+    """Gather the masks of a JPEG or PNG scene (held whole anyway), then write STEM_masks.png and
+    STEM_overlay.png."""
+    masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
+    valid = np.zeros((scene.height, scene.width), bool)
+    for top, probs, rows_valid in rows:
+        band = slice(top, top + len(rows_valid))
+        masks[:, band], valid[band] = masks_of(probs, ensemble), rows_valid
+        counts.add(top, masks[:, band], rows_valid)
+    geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid))
+    geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks))
+
+
+def done_file(out_dir: Path, path: Path) -> Path:
+    return out_dir / f"{path.stem}.json"
+
+
+# ---------------------------------------------------------------------------------- many scenes
+
+
+def find_scenes(sources: list[str]) -> list[Path]:
+    """Scene files from files, folders (their JPEG, PNG and GeoTIFF files) and glob patterns,
+    sorted; an error when none, or when two would write outputs of the same name."""
+    found = set()
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            found.update(p for p in path.iterdir() if p.suffix.lower() in geo.SCENE_SUFFIXES and p.is_file())
+        elif path.exists():
+            found.add(path)
+        else:
+            matches = [Path(p) for p in glob.glob(source)]
+            if not matches:
+                raise FileNotFoundError(f"{source}: no such scene, folder or matching file")
+            found.update(matches)
+    scenes = sorted(found)
+    if not scenes:
+        raise FileNotFoundError(f"no JPEG, PNG or GeoTIFF scenes in {', '.join(sources)}")
+    stems = pd.Series([p.stem for p in scenes])
+    if stems.duplicated().any():
+        raise ValueError(f"two scenes named {stems[stems.duplicated()].iloc[0]} would write the same outputs: "
+                         "segment them into different --out folders")
+    return scenes
+
+
+def check_writable(out_dir: Path, scenes: list[Path]) -> None:
+    """A one-line error before any work when the output folder cannot take files, or when a
+    GeoTIFF scene's map would replace the scene itself."""
+    for path in scenes:
+        if (out_dir / f"{path.stem}.tif").resolve() == path.resolve():
+            raise ValueError(f"{path}: its map NAME.tif would replace it: choose another --out than its folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        new_hidden_file(out_dir / "write-check").unlink()
+    except OSError as error:
+        raise ValueError(f"{out_dir}: output folder is not writable ({error.strerror or error})") from None
+
+
+def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, tile: tuple[int, int] | None = None,
+            overlap: float | None = None, grid: float | None = None, time_pattern: str = geo.TIME_PATTERN,
+            postprocess_file: str | None = None, overrides: list[str] = (), device: str = "auto") -> int:
+    """Map every scene of `sources` (this process's share under torchrun) into `out_dir`, skipping
+    scenes already done; then one process writes fractions.csv (and grid.nc with `grid`). A bad
+    scene is one line on stderr naming it; the others go on. Returns the number that failed."""
+    out_dir, scenes = Path(out_dir), find_scenes(sources)
+    logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
+    check_writable(out_dir, scenes)
+    ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)))
+    options = SegmentOptions(window_size(ensemble, tile, checkpoints[0]), OVERLAP if overlap is None else overlap,
+                             grid, time_pattern)
+    mine = scenes[distributed.rank()::distributed.world_size()]
+    todo = [path for path in mine if not is_done(out_dir, path, grid)]
+    failed, start, pixels = [], time.perf_counter(), 0
+    for path in tqdm(todo, desc=f"segment (process {distributed.rank()})", unit="scene", disable=None):
+        try:
+            record = segment_scene(path, out_dir, ensemble, options)
+            pixels += record["height"] * record["width"]
+        except (ValueError, OSError, RuntimeError) as error:
+            failed.append(str(path))
+            tqdm.write(f"cloudseg segment: {scene_error(path, error)}", file=sys.stderr)
+    failed = distributed.gathered(failed)  # every process waits here for all the others' scenes
+    if distributed.is_main():
+        write_summaries(scenes, out_dir, grid)
+        seconds = time.perf_counter() - start
+        log.info("segment: %d scenes, %d done before, %d failed, %d processes; %.2f scenes/s, %.1f megapixels/s "
+                 "(process 0) -> %s", len(scenes), len(mine) - len(todo), len(failed), distributed.world_size(),
+                 (len(todo) - len(failed)) / seconds, pixels / 1e6 / seconds, out_dir)
+    distributed.stop()
+    return len(failed)
+
+
+def process_device(device: str) -> torch.device:
+    """`device` (auto, cpu, cuda) resolved; under torchrun, this process's GPU, in the process group."""
+    return distributed.start(resolve_device(device))
+
+
+def window_size(ensemble: Ensemble, tile: tuple[int, int] | None, checkpoint: str) -> tuple[int, int]:
+    """--tile, else the size the model trained on (data.image_size of its checkpoint)."""
+    if tile:
+        return tuple(tile)
+    if ensemble.config.data.image_size is None:
+        raise ValueError(f"{checkpoint}: trained without data.image_size, so the window size is unknown: "
+                         "give --tile H W (e.g. the size of its training images)")
+    return tuple(ensemble.config.data.image_size)
+
+
+def is_done(out_dir: Path, path: Path, grid: float | None) -> bool:
+    """The scene's NAME.json exists, written with the same --grid."""
+    try:
+        return json.loads(done_file(out_dir, path).read_text()).get("grid") == grid
+    except (OSError, ValueError):
+        return False
+
+
+def scene_error(path: Path, error: BaseException) -> str:
+    """One line naming the scene (errors from cloudseg already start with the file); for
+    rasterio's "Read failed. See previous exception", GDAL's error that caused it."""
+    while error.__cause__ is not None or (error.__context__ is not None and "previous exception" in str(error)):
+        error = error.__cause__ or error.__context__
+    text = geo.one_line(error)
+    return text if text.startswith(str(path)) else f"{path}: {text}"
+
+
+def write_summaries(scenes: list[Path], out_dir: Path, grid: float | None) -> None:
+    """fractions.csv (one row per scene done: time, size, valid pixels, each class's area
+    fraction of the valid pixels) and, with `grid`, grid.nc over the georeferenced scenes."""
+    records = [json.loads(done_file(out_dir, path).read_text()) for path in scenes if is_done(out_dir, path, grid)]
+    if not records:
+        return
+    table = pd.DataFrame(records)[["name", "time", "height", "width", "valid_pixels", *LABELS]]
+    with atomic_path(out_dir / FRACTIONS_CSV) as tmp:
+        table.to_csv(tmp, index=False)
+    gridded = [record for record in records if "cells" in record]
+    if grid and gridded:
+        for record in gridded:
+            record["time"] = None if record["time"] is None else np.datetime64(record["time"])
+        geo.write_netcdf(geo.grid_dataset(gridded, grid), out_dir / GRID_NC)
+    elif grid:
+        log.warning("segment: --grid but no scene is georeferenced (GeoTIFF with a CRS): no %s", GRID_NC)

@@ -1,0 +1,430 @@
+"""`cloudseg segment` on the CPU: windows, blending, no-data, georeference, fractions and the
+lat/lon grid, on small synthetic scenes (models: a tiny untrained UNet, or stand-ins whose
+output is known by hand)."""
+
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from cloudseg import segment as segment_module
+from cloudseg.cli import main
+from cloudseg.geo import ImageScene, write_rgb_geotiff
+from cloudseg.predict import Ensemble, load_ensemble, load_model, predict_probs
+from cloudseg.segment import blended_rows, tiling, window_starts
+from tests.conftest import write_tiny_checkpoint
+
+rasterio = pytest.importorskip("rasterio")  # make test installs the geo extra; a bare install skips these
+xarray = pytest.importorskip("xarray")
+from rasterio.transform import from_origin  # noqa: E402
+
+
+class ImageArray(ImageScene):
+    """A scene held in memory, read as a decoded JPEG or PNG scene is."""
+
+    def __init__(self, image: np.ndarray):
+        self.path, self.image, (self.height, self.width) = None, image, image.shape[:2]
+
+
+def stand_in(forward, config, batch_size=4):
+    """An Ensemble (CPU, eager) of one model given as a function of the uint8 batch -> logits."""
+    config = config.model_copy(update={"predict": config.predict.model_copy(update={"batch_size": batch_size})})
+    return Ensemble(config, 1000, torch.device("cpu"), None, False, [forward])
+
+
+def blend(scene, ensemble, tile, overlap):
+    """The whole scene's blended probabilities (4×H×W) from `blended_rows`, checking that its row
+    bands follow each other from the top to the bottom."""
+    parts, expected_top = [], 0
+    for top, probs, valid in blended_rows(scene, ensemble, tile, overlap):
+        assert top == expected_top and probs.shape[1] == valid.shape[0]
+        parts.append(probs)
+        expected_top += probs.shape[1]
+    assert expected_top == scene.height
+    return np.concatenate(parts, axis=1)
+
+
+def pixelwise(images):
+    """Logits that depend on each pixel alone: any correct tiling reproduces them exactly."""
+    x = images.float() / 255
+    return torch.stack([6 * x[:, 0] - 3, 4 * x[:, 1] - 2, 3 * x[:, 2] - 1, x.sum(1) - 1.5], 1)
+
+
+def smooth_scene(height, width, seed=0):
+    rng = np.random.default_rng(seed)
+    small = rng.integers(20, 255, (height // 8 + 2, width // 8 + 2, 3), dtype=np.uint8)
+    return cv2.resize(small, (width, height), interpolation=cv2.INTER_CUBIC)
+
+
+@pytest.fixture(scope="module")
+def tiny_ensemble(tmp_path_factory):
+    """A tiny untrained UNet that 'trained' on 64x96 images, loaded as predict loads it (CPU)."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ck") / "best.pt")
+    return path, load_ensemble([str(path)], "none", device="cpu")
+
+
+# ---------------------------------------------------------------------------------- windows
+
+
+def test_windows_cover_the_scene_evenly_with_at_least_the_overlap():
+    """Would catch: a last window short of the edge, or neighbours sharing less than asked."""
+    starts = window_starts(1000, 300, 0.25)
+    assert starts[0] == 0 and starts[-1] == 700
+    assert all(300 - (b - a) >= 75 for a, b in zip(starts, starts[1:]))
+    assert window_starts(200, 300, 0.25) == [0] and tiling(200, 250, (300, 400), 0.25).height == 200
+
+
+def test_a_scene_that_fits_one_window_gets_exactly_predicts_probabilities(tiny_ensemble):
+    """CPU. Would catch: blending weights that do not cancel for a lone window, a crop or shift,
+    the black no-data band left with its probabilities (predict's zero_black zeroes them)."""
+    path, ensemble = tiny_ensemble
+    image = smooth_scene(60, 90)
+    image[:, :20] = 0  # a no-data band
+    probs = blend(ImageArray(image), ensemble, (64, 96), 0.25)
+    model, _ = load_model(path, torch.device("cpu"))
+    expected = predict_probs(model, torch.from_numpy(image.transpose(2, 0, 1))[None], zero_black=True)[0]
+    assert np.array_equal(probs, expected.numpy())
+    assert probs[:, :, :20].max() == 0 and probs[:, :, 20:].min() > 0
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.25, 0.6])
+def test_any_tiling_reproduces_a_pixelwise_model_on_the_whole_scene(tiny_ensemble, overlap):
+    """CPU. A model whose output depends on each pixel alone gives the same map however the
+    scene is cut. Would catch: a tile placed one pixel off (or flipped, or cropped from the wrong
+    corner), weights not normalised, rows released too early or twice, a missed edge strip."""
+    _, ensemble = tiny_ensemble
+    image = smooth_scene(101, 157)
+    scene = ImageArray(image)
+    probs = blend(scene, stand_in(pixelwise, ensemble.config, batch_size=3), (32, 48), overlap)
+    expected = torch.sigmoid(pixelwise(torch.from_numpy(image.transpose(2, 0, 1))[None]))[0].numpy()
+    assert np.abs(probs - expected).max() < 1e-6
+
+
+def position_model(images):
+    """Logits that rise from -4 to 4 across each window, whatever it shows (a model's edge effects,
+    exaggerated): stitching windows side by side draws a seam at every window border."""
+    n, _, height, width = images.shape
+    across = torch.linspace(-4, 4, width).expand(height, width) + torch.linspace(-4, 4, height)[:, None]
+    return across.expand(n, 4, height, width)
+
+
+def largest_step(probs):
+    return max(np.abs(np.diff(probs, axis=1)).max(), np.abs(np.diff(probs, axis=2)).max())
+
+
+def test_no_seam_shows_where_windows_meet(tiny_ensemble, monkeypatch):
+    """CPU. With overlap o pixels the blend moves at most by the model's own step plus π/(2o)
+    per pixel (the ramp's steepest slope times a probability difference of at most 1).
+    Would catch: a missing blend (windows pasted or plainly averaged), which jumps by ~0.5."""
+    _, ensemble = tiny_ensemble
+    scene, tile, overlap = ImageArray(smooth_scene(100, 150)), (32, 48), 0.5
+    own_step = largest_step(torch.sigmoid(position_model(torch.zeros(1, 3, *tile)))[0].numpy())
+    bound = own_step + np.pi / (2 * 16)  # the smallest overlap here: half of 32 rows
+    assert largest_step(blend(scene, stand_in(position_model, ensemble.config), tile, overlap)) <= bound
+    monkeypatch.setattr(segment_module, "window_weights", lambda grid, row, column: np.ones((grid.height, grid.width),
+                                                                                             np.float32))
+    assert largest_step(blend(scene, stand_in(position_model, ensemble.config), tile, overlap)) > 0.3  # the seam
+
+
+def test_blended_windows_match_the_whole_scene_prediction(tiny_ensemble):
+    """CPU, the tiny UNet: a 128×192 scene in 64×96 windows against the scene in one forward.
+    Stated tolerance: at most 0.01 anywhere, and a mean difference at most half that of windows
+    pasted side by side without overlap (which the test also computes; measured: 4.5e-5 against
+    7.3e-4). Would catch: misplaced windows, and a blend no better than pasting."""
+    _, ensemble = tiny_ensemble
+    image = smooth_scene(128, 192, seed=1)
+    scene = ImageArray(image)
+    whole = blend(scene, ensemble, (128, 192), 0.25)
+    blended = blend(scene, ensemble, (64, 96), 0.5)
+    pasted = blend(scene, ensemble, (64, 96), 0.0)
+    assert np.abs(blended - whole).max() < 0.01
+    assert np.abs(blended - whole).mean() <= 0.5 * np.abs(pasted - whole).mean()
+
+
+# ---------------------------------------------------------------------------------- GeoTIFF, fractions, grid
+
+
+def write_geotiff(path, image, crs="EPSG:4326", transform=from_origin(-60, 15, 0.1, 0.1), nodata=None, tags=None):
+    """An RGB uint8 GeoTIFF of `image` (H×W×3)."""
+    return write_rgb_geotiff(path, image, crs, transform, nodata, tags)
+
+
+def red_is_fish(images):
+    """Probability 1 for Fish where the red channel is above 128, else 0 (logits ±20); the other
+    classes always 1: a map whose fractions can be counted by hand."""
+    red = images[:, :1].float() > 128
+    return torch.cat([torch.where(red, 20.0, -20.0), torch.full_like(red, 20.0, dtype=torch.float32).expand(-1, 3, -1, -1)], 1)
+
+
+def run_segment(monkeypatch, model, *args):
+    """`cloudseg segment` with the checkpoint's model replaced by `model` (CPU); its exit status."""
+    real = segment_module.load_ensemble
+
+    def with_model(*a, **k):
+        ensemble = real(*a, **k)
+        return ensemble._replace(forwards=[model]) if model else ensemble
+    monkeypatch.setattr(segment_module, "load_ensemble", with_model)
+    return main(["segment", *map(str, args), "--device", "cpu"])
+
+
+def test_geotiff_out_keeps_the_scene_georeference_and_its_no_data(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. Would catch: a lost or default CRS or transform, a different size, no-data pixels
+    written as probabilities, masks cut by a shifted window (the output's Fish mask must be the
+    scene's red pixels exactly)."""
+    checkpoint, _ = tiny_ensemble
+    image = smooth_scene(150, 230)
+    image[40:60, :, :] = 7  # no-data by the file's value, not black enough for the black rule
+    transform = from_origin(500000, 1650000, 250, 250)
+    (tmp_path / "in").mkdir()
+    write_geotiff(tmp_path / "in" / "scene.tif", image, crs="EPSG:32620", transform=transform, nodata=7)
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 64, 96, "--grid", 0.1) == 0
+    with rasterio.open(tmp_path / "out" / "scene.tif") as out:
+        assert out.crs.to_epsg() == 32620 and out.transform == transform and out.shape == (150, 230)
+        assert out.count == 8 and out.nodata == 255
+        bands = out.read()
+    off = np.zeros((150, 230), bool)
+    off[40:60] = True
+    assert (bands[:, off] == 255).all() and (bands[:, ~off] != 255).all()
+    assert np.array_equal(bands[4][~off], (image[..., 0] > 128)[~off])  # the Fish mask
+    assert np.array_equal(bands[0][~off], np.where(image[..., 0] > 128, 254, 0)[~off])  # its probability x254
+    # UTM zone 20N: the scene's 57.5 by 37.5 km lie near 14.9°N, 63°W (checked on a map of the zone)
+    grid = xarray.open_dataset(tmp_path / "out" / "grid.nc", engine="scipy").load()
+    assert 14.5 < grid.lat.min() < grid.lat.max() < 15.0 and -63.1 < grid.lon.min() < grid.lon.max() < -62.4
+    assert grid.valid_pixels.sum() == (~off).sum()
+
+
+def test_no_data_is_not_counted_as_clear_sky(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. A map that is Fish wherever there are data: the Fish fraction is 1 however much of
+    the scene has none (a GeoTIFF's nodata, a PNG's black band). Would catch: no-data pixels
+    counted as valid pixels without clouds (fractions 0.7 and 0.6 here)."""
+    checkpoint, _ = tiny_ensemble
+    image = np.full((100, 150, 3), 200, np.uint8)
+    (tmp_path / "in").mkdir()
+    geotiff, png = image.copy(), image.copy()
+    geotiff[:30] = 9
+    png[:, :60] = 0
+    write_geotiff(tmp_path / "in" / "a.tif", geotiff, nodata=9)
+    cv2.imwrite(str(tmp_path / "in" / "b.png"), png)
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 64, 96) == 0
+    fractions = {r["name"]: r for r in map(json.loads, map(Path.read_text, (tmp_path / "out").glob("*.json")))}
+    assert fractions["a.tif"]["valid_pixels"] == 70 * 150 and fractions["a.tif"]["Fish"] == 1.0
+    assert fractions["b.png"]["valid_pixels"] == 100 * 90 and fractions["b.png"]["Fish"] == 1.0
+    masks = cv2.imread(str(tmp_path / "out" / "b_masks.png"), cv2.IMREAD_UNCHANGED)
+    assert (masks[:, :60] == 255).all() and (masks[:, 60:] == 15).all()  # no-data; all four class bits
+
+
+def test_gridded_fractions_match_hand_counts(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. Two scenes of one day and one of the next, 0.1° pixels from 60°W 15°N, on a 1° grid:
+    each cell's Fish fraction is its red pixels over its valid pixels, counted here by hand,
+    the same day's scenes summed. Would catch: cells shifted or transposed (lat/lon swapped, rows
+    counted from the bottom), no-data counted, a day's scenes averaged instead of summed, times
+    not read from the file name or the GeoTIFF's TIFFTAG_DATETIME."""
+    checkpoint, _ = tiny_ensemble
+    rng = np.random.default_rng(0)
+    scenes = {}
+    (tmp_path / "in").mkdir()
+    for name, tags in [("day_20200202_a.tif", None), ("day_20200202_b.tif", None),
+                       ("other.tif", {"TIFFTAG_DATETIME": "2020:02:03 13:30:00"})]:
+        image = np.full((40, 60, 3), 100, np.uint8)
+        image[..., 0] = np.where(rng.random((40, 60)) < rng.random((4, 1, 6, 1)).repeat(10, 1).repeat(10, 3).reshape(40, 60),
+                                 200, 50)
+        image[:5, :7] = 3  # no-data
+        scenes[name] = image
+        write_geotiff(tmp_path / "in" / name, image, nodata=3, tags=tags)
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 16, 24, "--grid", 1.0) == 0
+    grid = xarray.open_dataset(tmp_path / "out" / "grid.nc", engine="scipy").load()
+    assert grid.lat.values.tolist() == [11.5, 12.5, 13.5, 14.5] and grid.lon.values.tolist() == [-59.5 + i for i in range(6)]
+    assert [str(t)[:16] for t in grid.time.values] == ["2020-02-02T00:00", "2020-02-03T13:30"]
+
+    def by_hand(names):
+        fish = sum((scenes[n][..., 0] == 200).reshape(4, 10, 6, 10).sum((1, 3)) for n in names)
+        valid = sum((scenes[n][..., 0] != 3).reshape(4, 10, 6, 10).sum((1, 3)) for n in names)
+        return fish[::-1] / valid[::-1], valid[::-1]  # rows from the north; lat from the south
+    for day, names in enumerate([["day_20200202_a.tif", "day_20200202_b.tif"], ["other.tif"]]):
+        fraction, valid = by_hand(names)
+        assert np.allclose(grid.fraction.sel({"class": "Fish"}).values[day], fraction)
+        assert np.array_equal(grid.valid_pixels.values[day], valid)
+        assert np.allclose(grid.fraction.sel({"class": "Sugar"}).values[day], 1.0)
+
+
+# ---------------------------------------------------------------------------------- many scenes, several processes
+
+
+def write_pngs(folder, count, shape=(64, 96)):
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        cv2.imwrite(str(folder / f"scene{index:02d}.png"), smooth_scene(*shape, seed=index))
+    return folder
+
+
+def test_two_processes_map_every_scene_once_and_skip_the_done_ones(tiny_ensemble, tmp_path):
+    """CPU, two gloo processes under torchrun over 9 scenes, 2 of them done by an earlier run.
+    Would catch: both processes taking the same scenes (a scene mapped twice) or a shard lost
+    (one never mapped), done scenes mapped again, a summary written before every process is
+    through (fractions.csv short of scenes)."""
+    import os
+    import subprocess
+    import sys
+
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 9)
+    out = tmp_path / "out"
+    assert main(["segment", str(scenes / "scene03.png"), str(scenes / "scene07.png"), "--checkpoint", str(checkpoint),
+                 "--out", str(out), "--device", "cpu"]) == 0
+    record = tmp_path / "record.txt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(Path(__file__).with_name("ddp_entry.py")), "--record-scenes", str(record),
+               "segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(out), "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = [line.split() for line in record.read_text().splitlines()]
+    names = sorted(name for _, name in done)
+    assert names == [f"scene{i:02d}.png" for i in range(9) if i not in (3, 7)]  # each once, the done ones never
+    assert {rank for rank, _ in done} == {"0", "1"}
+    table = (out / "fractions.csv").read_text().splitlines()
+    assert len(table) == 1 + 9 and all((out / f"scene{i:02d}_masks.png").is_file() for i in range(9))
+
+
+def test_a_rerun_maps_only_the_scenes_without_outputs(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU, one process. Would catch: a rerun that maps everything again, or one that trusts a
+    scene whose outputs were never finished (its NAME.json is written last)."""
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 4)
+    arguments = ["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]
+    assert main(arguments) == 0
+    (tmp_path / "out" / "scene01.json").unlink()  # as if stopped while writing scene01's maps
+    mapped = []
+    real = segment_module.segment_scene
+    monkeypatch.setattr(segment_module, "segment_scene", lambda path, *a: mapped.append(path.name) or real(path, *a))
+    assert main(arguments) == 0
+    assert mapped == ["scene01.png"]
+    assert main([*arguments, "--grid", "1"]) == 0  # another grid: every scene again
+    assert mapped == ["scene01.png", "scene00.png", "scene01.png", "scene02.png", "scene03.png"]
+
+
+def write_wide_geotiff(path, height, width=20000, rows=512):
+    """A height×width RGB GeoTIFF written `rows` at a time (vertical ramps; deflate keeps it small)."""
+    band = np.tile(np.linspace(0, 255, rows).astype(np.uint8)[:, None], (1, width))
+    with rasterio.open(path, "w", driver="GTiff", width=width, height=height, count=3, dtype="uint8", crs="EPSG:4326",
+                       transform=from_origin(-60, 15, 0.01, 0.01), tiled=True, compress="deflate", zlevel=1) as out:
+        for top in range(0, height, rows):
+            count = min(rows, height - top)
+            out.write(np.stack([band[:count]] * 3), window=rasterio.windows.Window(0, top, width, count))
+    return path
+
+
+@pytest.mark.slow
+def test_memory_does_not_grow_with_the_scene(tiny_ensemble, tmp_path):
+    """CPU, `make test-all` (about 1-2 min: a 20000×8000 scene, 160 megapixels, through a per-pixel
+    stand-in model in 256×256 windows). One process maps a 20000×800 scene, then the 20000×8000
+    one, and reports its peak resident memory before and after each (tests/ddp_entry.py
+    --memory-probe). Bounds: the second scene, ten times taller, adds under 96 MiB to the peak
+    (its RGB pixels alone are 458 MiB, its float32 probabilities 2.4 GiB; what it adds is GDAL's
+    block cache, capped at 64 MB, filling further: 39 and 54 MiB measured on 2026-11-25); the
+    first adds under 400 MiB (one row of windows: 256 rows × 20000 × 21 bytes = 102 MiB of sums,
+    weights and validity, with the batch, reads and output temporaries; measured 207 and 237 MiB).
+    Would catch: a scene read or blended whole, outputs gathered before writing, GDAL's block
+    cache (5% of the RAM by default) holding the written scene."""
+    import os
+    import subprocess
+    import sys
+
+    checkpoint, _ = tiny_ensemble
+    write_wide_geotiff(tmp_path / "a_wide.tif", 800)
+    write_wide_geotiff(tmp_path / "b_wide_and_tall.tif", 8000)
+    command = [sys.executable, str(Path(__file__).with_name("ddp_entry.py")), "--memory-probe", "segment",
+               str(tmp_path / "a_wide.tif"), str(tmp_path / "b_wide_and_tall.tif"), "predict.batch_size=4",
+               "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--tile", "256", "256", "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = {name: (int(before), int(after)) for _, name, before, after in
+             (line.split() for line in result.stdout.splitlines() if line.startswith("peak_rss_mib"))}
+    (start, first), (_, second) = peaks["a_wide.tif"], peaks["b_wide_and_tall.tif"]
+    assert second - first < 96 and first - start < 400, peaks
+    with rasterio.open(tmp_path / "out" / "b_wide_and_tall.tif") as out:
+        assert out.shape == (8000, 20000)
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_path, capsys):
+    """CPU. Would catch: a bad scene stopping the job or failing silently, a message without
+    the file, an exit status that hides failures, a half-written output left behind, and a
+    scene smaller than a window refused (it is mapped as one window)."""
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 1)
+    cv2.imwrite(str(scenes / "small.png"), smooth_scene(20, 30))
+    (scenes / "garbage.jpg").write_bytes(b"not an image at all")
+    cv2.imwrite(str(scenes / "cut.jpg"), smooth_scene(64, 96))
+    (scenes / "cut.jpg").write_bytes((scenes / "cut.jpg").read_bytes()[:-600])
+    cv2.imwrite(str(scenes / "grey.png"), smooth_scene(64, 96)[..., 0])
+    cv2.imwrite(str(scenes / "deep.png"), smooth_scene(64, 96).astype(np.uint16) * 257)
+    write_geotiff(scenes / "torn.tif", smooth_scene(200, 300))
+    (scenes / "torn.tif").write_bytes((scenes / "torn.tif").read_bytes()[:60000])
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]) == 5
+    lines = capsys.readouterr().err.strip().splitlines()
+    messages = {Path(line.split(": ")[1]).name: line for line in lines if line.startswith("cloudseg segment: ")}
+    assert sorted(messages) == ["cut.jpg", "deep.png", "garbage.jpg", "grey.png", "torn.tif"], lines
+    assert "truncated JPEG" in messages["cut.jpg"] and "not a JPEG" in messages["garbage.jpg"]
+    assert "1-band scene" in messages["grey.png"] and "gdal_translate -b 1 -b 1 -b 1" in messages["grey.png"]
+    assert "uint16 pixels" in messages["deep.png"] and "-ot Byte -scale" in messages["deep.png"]
+    assert "Read error" in messages["torn.tif"]  # GDAL's cause, not rasterio's "See previous exception"
+    table = (tmp_path / "out" / "fractions.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in table[1:]] == ["scene00.png", "small.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["fractions.csv", "scene00.json", "scene00_masks.png", "scene00_overlay.png", "small.json", "small_masks.png",
+         "small_overlay.png"])  # nothing of the bad scenes, no temporary file
+
+
+def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny_ensemble, tmp_path, capsys):
+    """CPU. Would catch: a traceback, or a job that maps scenes it cannot write, blends models
+    trained on other input sizes, overwrites a GeoTIFF scene with its map, or finds no scene and
+    says nothing."""
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 1)
+    (tmp_path / "file").write_text("")
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "file" / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (f"cloudseg: error: {tmp_path / 'file' / 'out'}: output folder is not "
+                                               "writable (Not a directory)")
+    other = write_tiny_checkpoint(tmp_path / "other" / "best.pt", image_size=(128, 192))
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--checkpoint", str(other), "--out",
+                 str(tmp_path / "out"), "--postprocess", "none", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"cloudseg: error: {other}: trained on images of (128, 192)") and "\n" not in error
+    write_geotiff(scenes / "geo.tif", smooth_scene(64, 96))
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(scenes)]) == 2
+    assert "its map NAME.tif would replace it" in capsys.readouterr().err  # --out is the scenes' folder
+    (tmp_path / "empty").mkdir()
+    assert main(["segment", str(tmp_path / "empty"), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o")]) == 2
+    assert "no JPEG, PNG or GeoTIFF scenes in" in capsys.readouterr().err
+    untold = write_tiny_checkpoint(tmp_path / "untold" / "best.pt", image_size=None)
+    assert main(["segment", str(scenes), "--checkpoint", str(untold), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]) == 2
+    assert "trained without data.image_size" in capsys.readouterr().err
+
+
+def test_without_the_geo_extra_the_message_names_it(monkeypatch):
+    """Would catch: a bare ImportError (or a traceback) for users without rasterio/xarray."""
+    import builtins
+
+    from cloudseg import geo
+
+    real_import = builtins.__import__
+
+    def no_rasterio(name, *args, **kwargs):
+        if name.startswith("rasterio"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_rasterio)
+    monkeypatch.setattr(geo.importlib, "import_module", lambda name: no_rasterio(name))
+    with pytest.raises(RuntimeError, match=r"rasterio is not installed: .*pip install cloudseg\[geo\]"):
+        geo.geo_module("rasterio.windows")
