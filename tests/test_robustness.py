@@ -5,6 +5,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import cv2
 import numpy as np
 import pytest
 
@@ -112,8 +113,9 @@ def test_noisy_labels_look_like_kaggles(name):
     for _ in range(300):
         image, labels, oracle = sample_with_oracle(rng, variant)
         black = (image == 0).all(axis=-1)
-        # Under the wedge no label; a few single pixels of dark texture clip to black too.
-        assert labels.any() and labels[:, black].any(0).sum() <= max(2, 0.02 * black.sum())
+        # No label under the wedge (eroded: single pixels of dark texture clip to black too).
+        wedge = cv2.erode(black.astype(np.uint8), np.ones((3, 3), np.uint8)).astype(bool)
+        assert labels.any() and not labels[:, wedge].any()
         counts.append(labels.any(axis=(1, 2)).sum())
         oracle_dice.append(np.asarray(dice(oracle, labels)).mean())
         empty_dice.append(np.asarray(dice(np.zeros_like(labels), labels)).mean())
