@@ -21,13 +21,33 @@ Usage: python benchmarks/noisy_ablation.py train --out DIR [--variants noisy] [-
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+
+from cloudseg.data import CloudDataset, decode_masks, make_loader, read_label_csv
+from cloudseg.files import atomic_path
+from cloudseg.hardware import autocast_dtype
+from cloudseg.metrics import dice, evaluate_submission
+from cloudseg.oof import predict_oof
+from cloudseg.postprocess import postprocess, quantize
+from cloudseg.predict import batch_probabilities, load_model
+from cloudseg.swa import EPOCHS_DIR, average_checkpoints, epoch_path, recompute_norm_statistics
+from cloudseg.synth import TEST_SOLUTION_CSV
+from cloudseg.task import LABELS, SUBMISSION_SHAPE
+from cloudseg.tune import search_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kaggle_like import VARIANTS, generate  # noqa: E402
+from kaggle_like import BOX_ORACLE_CSV, NOISY_SIZE, VARIANTS, generate  # noqa: E402
+from recipes import interleaved_step_seconds  # noqa: E402
 from robustness import DEMO_CONFIG, GROUPS, cloudseg, machine  # noqa: E402
 
 HEADS = {"head": ["model.cls_head=true"], "nohead": ["model.cls_head=false"]}
@@ -43,21 +63,168 @@ def train_all(args) -> None:
     root = Path(args.out)
     print(f"noisy-label ablation: {args.n_train} train / {args.n_test} test images, {args.epochs} epochs; "
           f"{machine()}; in {root}", flush=True)
-    for name, offset in datasets(args):
-        folder = root / f"{name}+{offset}"
-        data = folder / "data"
-        if not (data / "train.csv").is_file():
-            variant = replace(VARIANTS[name], seed=VARIANTS[name].seed + offset)
-            generate(variant, data, args.n_train, args.n_test)
-        for head, overrides in HEADS.items():
+    # Head-on runs first, on every dataset: they serve every row but the head-off comparison.
+    for head, overrides in HEADS.items():
+        for name, offset in datasets(args):
+            folder = root / f"{name}+{offset}"
+            data = folder / "data"
+            if not (data / "train.csv").is_file():
+                variant = replace(VARIANTS[name], seed=VARIANTS[name].seed + offset)
+                generate(variant, data, args.n_train, args.n_test)
             run = folder / head
             if (run / "oof.npz").is_file():
                 continue
+            if run.exists():  # an interrupted run: start it again
+                shutil.rmtree(run)
             started = time.perf_counter()
             cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}",
                      f"train.epochs={args.epochs}", "train.device=cpu", *overrides, *TRACKED,
                      log=folder / f"{head}.log")
             print(f"  {folder.name} {head}: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+# ---------------------------------------------------------------------------------- step 2
+
+# Post-processing options: (gate scores searched, at-least-one-label searched, predict.zero_black).
+OPTIONS = {
+    "top-k gate (today)": (("top_k",), False, False),
+    "+ head gate": (("top_k", "head"), False, False),
+    "+ score gate": (("top_k", "score"), False, False),
+    "+ head and score gates": (("top_k", "head", "score"), False, False),
+    "+ forced label": (("top_k",), True, False),
+    "+ score gate + forced label": (("top_k", "score"), True, False),
+    "+ all gates + forced label": (("top_k", "head", "score"), True, False),
+    "zero_black": (("top_k",), False, True),
+}
+SWA_EPOCHS = 3  # the last 3 of 6 epochs
+
+
+class Probs(NamedTuple):
+    probs8: np.ndarray  # (N, 4, 350, 525) uint8
+    classes8: np.ndarray | None  # (N, 4) uint8: the head's
+    truth: np.ndarray  # (N, 4, 350, 525) bool
+
+
+def test_probs(model, config, data: Path, device) -> Probs:
+    """The model's probabilities of the test images (and their truth), as predict computes them."""
+    dataset = CloudDataset(data, "test", image_size=config.data.image_size, decode="cpu")
+    dtype = autocast_dtype(config.train.precision, device)
+    probs, classes = [], []
+    for batch in make_loader(dataset, config.data, config.predict.batch_size, device):
+        out = batch_probabilities([model], batch["image"].to(device), dtype, config.predict)
+        probs.append(quantize(out.submission.numpy()))
+        classes.append(None if out.classes is None else quantize(out.classes.numpy()))
+    truth = read_label_csv(data / TEST_SOLUTION_CSV).loc[dataset.image_ids]
+    masks = np.stack([np.stack(decode_masks(truth, i, SUBMISSION_SHAPE, data)) for i in truth.index]).astype(bool)
+    return Probs(np.concatenate(probs), None if classes[0] is None else np.concatenate(classes), masks)
+
+
+def model_probs(model, config, data: Path, device) -> dict[bool, tuple[Probs, Probs]]:
+    """{zero_black: (out-of-fold, test)} probabilities of one model."""
+    result = {}
+    for zero_black in (False, True):
+        config = config.model_copy(deep=True)
+        config.predict.zero_black = zero_black
+        _, probs8, truth, classes8 = predict_oof(model, config, device)
+        result[zero_black] = (Probs(probs8, classes8, truth), test_probs(model, config, data, device))
+    return result
+
+
+def tuned_test_dice(oof: Probs, test: Probs, config, gate_search, force: bool) -> tuple[float, float, dict]:
+    """(test Dice, out-of-fold CV Dice, rule) of the rule tuned on `oof` by the run's search."""
+    current = {**config.predict.model_dump(), "gate_on": ["top_k"] * len(LABELS),
+               "gate_search": [k for k in gate_search if k == "top_k" or oof.classes8 is not None],
+               "force_label_search": force}
+    rule = search_rule(oof.probs8, oof.truth, current, classes8=oof.classes8)
+    masks = postprocess(test.probs8, rule["threshold"], rule["min_area"], rule["gate"], rule["top_k"],
+                        rule["gate_on"], test.classes8, rule["force_label"])
+    cv = rule["cv_dice"]["forced" if force else "after"]["mean"]
+    return float(np.mean(dice(masks, test.truth))), cv, rule
+
+
+def run_models(run: Path, device) -> dict[str, tuple]:
+    """{model name: (config, model)}: plain (the epoch of highest out-of-fold CV under today's rule,
+    as training picks best.pt), ema (the run's best.pt), swa (the last SWA_EPOCHS epochs)."""
+    ema, config = load_model(run / "best.pt", device)
+    config.data.num_workers = 0  # a few dozen images per pass: a worker process costs more than it saves
+    epochs = sorted(int(p.stem.removeprefix("epoch")) for p in (run / EPOCHS_DIR).glob("epoch*.pt"))
+    scores = []
+    for epoch in epochs:
+        model, _ = load_model(epoch_path(run, epoch), device)
+        _, probs8, truth, classes8 = predict_oof(model, config, device)
+        scores.append(search_rule(probs8, truth, {**config.predict.model_dump(), "gate_search": ["top_k"],
+                                                  "force_label_search": False})["cv_dice"]["after"]["mean"])
+    best = epochs[len(scores) - 1 - scores[::-1].index(max(scores))]
+    averaged, _, _ = average_checkpoints([epoch_path(run, e) for e in epochs[-SWA_EPOCHS:]])
+    recompute_norm_statistics(averaged, config, device)
+    return {"plain": (config, load_model(epoch_path(run, best), device)[0]), "ema": (config, ema),
+            "swa": (config, averaged.eval())}
+
+
+def evaluate_run(run: Path, data: Path, device) -> list[dict]:
+    """Every (model, option) row of one run: test Dice, out-of-fold CV, the rule's choices; kept
+    in RUN/ablation.json, which a later call reads instead of computing again."""
+    cache = run / "ablation.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    rows = []
+    for model_name, (config, model) in run_models(run, device).items():
+        probs = model_probs(model, config, data, device)
+        for option, (gate_search, force, zero_black) in OPTIONS.items():
+            if probs[False][0].classes8 is None and any(k != "top_k" for k in gate_search):
+                continue  # a head gate without a head: not an option
+            test_dice, cv, rule = tuned_test_dice(*probs[zero_black], config, gate_search, force)
+            rows.append({"run": run.name, "model": model_name, "option": option, "test_dice": test_dice, "cv": cv,
+                         "gate_on": rule["gate_on"], "force_label": rule["force_label"]})
+    with atomic_path(cache) as tmp:
+        tmp.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def references(data: Path) -> dict[str, float]:
+    """The all-empty submission's and the box oracle's test Dice."""
+    truth = data / TEST_SOLUTION_CSV
+    empty = float(read_label_csv(truth).eq("").to_numpy().mean())
+    return {"all-empty": empty, "box oracle": evaluate_submission(data / BOX_ORACLE_CSV, truth)["dice"]}
+
+
+def evaluate_all(args) -> None:
+    """Step 2 over every finished run; prints the ablation table (and writes --json)."""
+    torch.set_num_threads(1)
+    device, root, results = torch.device("cpu"), Path(args.out), []
+    for name, offset in datasets(args):
+        folder = root / f"{name}+{offset}"
+        refs = references(folder / "data")
+        for head in HEADS:
+            if (folder / head / "oof.npz").is_file():
+                for row in evaluate_run(folder / head, folder / "data", device):
+                    results.append({"dataset": folder.name, **refs, **row})
+                print(f"  evaluated {folder.name} {head}", flush=True)
+    print(f"\n{machine()}\n" + table(results))
+    steps = interleaved_step_seconds(["fpn", "fpn-head"], NOISY_SIZE)
+    print(f"\none optimizer step of configs/demo.yaml at {NOISY_SIZE[0]}x{NOISY_SIZE[1]} on this CPU (best of "
+          f"interleaved rounds): without head {steps['fpn'][0]:.3f} s, with head {steps['fpn-head'][0]:.3f} s "
+          f"({steps['fpn-head'][0] / steps['fpn'][0] - 1:+.1%})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def table(results: list[dict]) -> str:
+    """One line per (run kind, model, option): mean test Dice, mean share of the margin captured,
+    the worst margin over all-empty and its dataset, over the datasets that have it."""
+    frame = pd.DataFrame(results)
+    frame["margin"] = frame["test_dice"] - frame["all-empty"]
+    frame["captured"] = frame["margin"] / (frame["box oracle"] - frame["all-empty"])
+    lines = [f"{'run':<7}{'model':<6}{'option':<30}{'datasets':>9}{'test Dice':>10}{'captured':>9}"
+             f"{'worst margin':>13}  worst dataset"]
+    for (run, model, option), group in frame.groupby(["run", "model", "option"], sort=False):
+        worst = group.loc[group["margin"].idxmin()]
+        lines.append(f"{run:<7}{model:<6}{option:<30}{len(group):>9}{group['test_dice'].mean():>10.4f}"
+                     f"{group['captured'].mean():>8.0%} {worst['margin']:>+13.4f}  {worst['dataset']}")
+    per_dataset = frame.groupby("dataset")[["all-empty", "box oracle"]].first()
+    lines.append(f"all-empty {per_dataset['all-empty'].mean():.4f}, box oracle {per_dataset['box oracle'].mean():.4f} "
+                 f"(means over {len(per_dataset)} datasets)")
+    return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
