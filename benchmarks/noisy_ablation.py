@@ -201,12 +201,14 @@ def evaluate_all(args) -> None:
                     results.append({"dataset": folder.name, **refs, **row})
                 print(f"  evaluated {folder.name} {head}", flush=True)
     print(f"\n{machine()}\n" + table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.no_timing:
+        return
     steps = interleaved_step_seconds(["fpn", "fpn-head"], NOISY_SIZE)
     print(f"\none optimizer step of configs/demo.yaml at {NOISY_SIZE[0]}x{NOISY_SIZE[1]} on this CPU (best of "
           f"interleaved rounds): without head {steps['fpn'][0]:.3f} s, with head {steps['fpn-head'][0]:.3f} s "
           f"({steps['fpn-head'][0] / steps['fpn'][0] - 1:+.1%})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 def table(results: list[dict]) -> str:
@@ -237,6 +239,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-test", type=int, default=48)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--json", help="evaluate: also write every figure here")
+    parser.add_argument("--no-timing", action="store_true", help="evaluate: skip the step time with and without head")
     args = parser.parse_args(argv)
     args.variants = GROUPS.get(args.variants) or [v.strip() for v in args.variants.split(",") if v.strip()]
     args.seed_offsets = [int(v) for v in args.seed_offsets.split(",") if v.strip()]
