@@ -194,9 +194,9 @@ def evaluate_all(args) -> None:
     device, root, results = torch.device("cpu"), Path(args.out), []
     for name, offset in datasets(args):
         folder = root / f"{name}+{offset}"
-        refs = references(folder / "data")
         for head in HEADS:
-            if (folder / head / "oof.npz").is_file():
+            if (folder / head / "oof.npz").is_file():  # a finished run
+                refs = references(folder / "data")
                 for row in evaluate_run(folder / head, folder / "data", device):
                     results.append({"dataset": folder.name, **refs, **row})
                 print(f"  evaluated {folder.name} {head}", flush=True)
