@@ -112,7 +112,9 @@ def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
 
 def _unet(config: ModelConfig, weights: str | None) -> nn.Module:
     """The smp network of `config`, of any model.arch (the name predates the others)."""
-    head = {"aux_params": {"classes": len(LABELS)}} if config.cls_head else {}  # logits: no activation
+    # Logits (no activation) and no dropout: smp's default 0.2 would draw other masks on each of
+    # several processes, and the step would no longer equal one process's.
+    head = {"aux_params": {"classes": len(LABELS), "dropout": None}} if config.cls_head else {}
     return smp.create_model(config.arch, encoder_name=config.encoder, encoder_weights=weights,
                             classes=len(LABELS), **decoder_arguments(config), **head)
 
