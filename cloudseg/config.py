@@ -197,14 +197,17 @@ class PredictConfig(Section):
         "model.cls_head"
     )
     gate_search: tuple[GateScore, ...] = Field(
-        ("top_k", "head", "score"), description="gate scores the tuning tries per class (head and score only for a "
-        "model with a head)"
+        ("top_k",), description="gate scores the tuning tries per class: top_k, head, score (head and score only for "
+        "a model with a head; they scored lower on noisy labels at demo scale, BENCHMARKS.md)"
     )
     force_label: float | None = Field(
         None, ge=0, le=1, description="at least one label per image: where the rule empties all four classes, keep "
         "the class of highest score (head and top-k mean, or top-k mean alone) thresholded at this; null = off"
     )
-    force_label_search: bool = Field(True, description="the tuning also tries force_label (off or one threshold)")
+    force_label_search: bool = Field(
+        False, description="the tuning also tries force_label (off or one threshold); off by default: it did not "
+        "score higher on noisy labels at demo scale (BENCHMARKS.md)"
+    )
     batch_size: int = Field(4, ge=1, description="images per inference batch")
     zero_black: bool = Field(False, description="zero the probabilities where the image is black (no-data bands)")
     tta: Literal["none", "hflip", "hvflip", "d4-lite"] = Field(
