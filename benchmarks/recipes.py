@@ -66,7 +66,8 @@ def run_option(name: str, data: Path, root: Path, epochs: int, device: str) -> d
             "run_s_per_epoch": float((train_images / metrics["images_per_s"]).median()), "train_images": train_images}
 
 
-def interleaved_step_seconds(names: list[str], size: tuple[int, int]) -> dict[str, tuple[float, int]]:
+def interleaved_step_seconds(names: list[str], size: tuple[int, int],
+                             rounds: int = TIMED_ROUNDS) -> dict[str, tuple[float, int]]:
     """(best seconds of one optimizer step of the demo config, parameter count) per option: the
     options take turns, so a load on the machine slows them alike. An EMA update is part of the
     step where the option has one, and the classification head's loss where it has a head."""
@@ -81,7 +82,7 @@ def interleaved_step_seconds(names: list[str], size: tuple[int, int]) -> dict[st
     images = {name: torch.randint(0, 256, (micro, 3, *size), dtype=torch.uint8) for name, (_, _, micro, _) in steps.items()}
     masks = {name: (torch.rand(len(batch), 4, *size) < 0.3).to(torch.uint8) for name, batch in images.items()}
     times = {name: [] for name in names}
-    for round_ in range(TIMED_ROUNDS + 1):
+    for round_ in range(rounds + 1):
         for name, (model, ema, _, accumulation) in steps.items():
             start = time.perf_counter()
             for _ in range(accumulation):  # the head's loss too, where the option has one

@@ -100,3 +100,16 @@ def test_the_forced_label_is_kept_only_where_it_raises_the_score():
     assert search_force_label(probs8, wrong, rule)[0] is None
     result = search_rule(probs8, right, {**rule, "gate": NONE, "force_label_search": True})
     assert result["force_label"] is None  # the tuned rule keeps the masks already: nothing left to force
+
+
+def test_a_rule_file_with_an_unknown_gate_score_is_one_line(tmp_path):
+    """postprocess.json with gate_on naming no gate score: refused naming the file."""
+    from cloudseg.postprocess import read_rule_file
+
+    path = tmp_path / "postprocess.json"
+    path.write_text('{"threshold": [0.5, 0.5, 0.5, 0.5], "min_area": [0, 0, 0, 0], "gate": [0, 0, 0, 0], '
+                    '"gate_on": ["top_k", "heads", "top_k", "top_k"]}')
+    with pytest.raises(ValueError, match=r"postprocess.json: gate_on must name one of top_k, head, score per class"):
+        read_rule_file(path)
+    path.write_text('{"threshold": [0.5, 0.5, 0.5, 0.5], "min_area": [0, 0, 0, 0], "gate": [0, 0, 0, 0]}')
+    assert read_rule_file(path)["gate_on"] == ["top_k"] * 4 and read_rule_file(path)["force_label"] is None
