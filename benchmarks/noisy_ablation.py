@@ -6,7 +6,8 @@ generate the data and train `configs/demo.yaml` twice, with and without `model.c
 run also tracking an EMA of its weights (train.ema, saved in best.pt beside the training weights)
 and keeping every epoch's training weights (train.save_epochs). Neither changes the weights that
 train, so one run serves every row: the plain run (its best epoch by out-of-fold tuned Dice, as
-training picks best.pt), its EMA, and the SWA of its last epochs are all read from it.
+training picks best.pt), its EMA (as saved, and with BatchNorm measured again), and the SWA of
+its last epochs are all read from it.
 
 Step 2, `evaluate`: for each run and each model (plain, EMA, SWA), the out-of-fold and test
 probabilities (head included) are computed once with `predict.zero_black` off and on; each
@@ -122,6 +123,7 @@ def test_probs(model, config, data: Path, device) -> Probs:
 
 def model_probs(model, config, data: Path, device) -> dict[bool, tuple[Probs, Probs]]:
     """{zero_black: (out-of-fold, test)} probabilities of one model."""
+    model.eval()
     result = {}
     for zero_black in (False, True):
         config = config.model_copy(deep=True)
@@ -143,42 +145,64 @@ def tuned_test_dice(oof: Probs, test: Probs, config, gate_search, force: bool) -
     return float(np.mean(dice(masks, test.truth))), cv, rule
 
 
-def run_models(run: Path, device) -> dict[str, tuple]:
-    """{model name: (config, model)}: plain (the epoch of highest out-of-fold CV under today's rule,
-    as training picks best.pt), ema (the run's best.pt), swa (the last SWA_EPOCHS epochs)."""
-    ema, config = load_model(run / "best.pt", device)
+def run_config(run: Path):
+    config = load_model(run / "best.pt", torch.device("cpu"))[1]
     config.data.num_workers = 0  # a few dozen images per pass: a worker process costs more than it saves
-    epochs = sorted(int(p.stem.removeprefix("epoch")) for p in (run / EPOCHS_DIR).glob("epoch*.pt"))
+    return config
+
+
+def plain_model(run: Path, config, device):
+    """The epoch of highest out-of-fold CV under today's rule, as a run without EMA picks best.pt."""
+    epochs = saved_epochs(run)
     scores = []
     for epoch in epochs:
         model, _ = load_model(epoch_path(run, epoch), device)
-        _, probs8, truth, classes8 = predict_oof(model, config, device)
+        _, probs8, truth, _ = predict_oof(model, config, device)
         scores.append(search_rule(probs8, truth, {**config.predict.model_dump(), "gate_search": ["top_k"],
                                                   "force_label_search": False})["cv_dice"]["after"]["mean"])
     best = epochs[len(scores) - 1 - scores[::-1].index(max(scores))]
-    averaged, _, _ = average_checkpoints([epoch_path(run, e) for e in epochs[-SWA_EPOCHS:]])
+    return load_model(epoch_path(run, best), device)[0]
+
+
+def ema_model(run: Path, config, device, recompute: bool):
+    """The run's best.pt (train.ema: the average, its BatchNorm statistics averaged too), or the
+    same weights with BatchNorm measured again over the training images, as SWA does."""
+    model = load_model(run / "best.pt", device)[0]
+    if recompute:
+        recompute_norm_statistics(model, config, device)
+    return model.eval()
+
+
+def swa_model(run: Path, config, device):
+    averaged, _, _ = average_checkpoints([epoch_path(run, e) for e in saved_epochs(run)[-SWA_EPOCHS:]])
     recompute_norm_statistics(averaged, config, device)
-    return {"plain": (config, load_model(epoch_path(run, best), device)[0]), "ema": (config, ema),
-            "swa": (config, averaged.eval())}
+    return averaged.eval()
+
+
+def saved_epochs(run: Path) -> list[int]:
+    return sorted(int(p.stem.removeprefix("epoch")) for p in (run / EPOCHS_DIR).glob("epoch*.pt"))
+
+
+MODELS = {"plain": plain_model, "ema": lambda *a: ema_model(*a, recompute=False),
+          "ema-bn": lambda *a: ema_model(*a, recompute=True), "swa": swa_model}
 
 
 def evaluate_run(run: Path, data: Path, device) -> list[dict]:
     """Every (model, option) row of one run: test Dice, out-of-fold CV, the rule's choices; kept
-    in RUN/ablation.json, which a later call reads instead of computing again."""
+    in RUN/ablation.json, from which a later call takes the models it already has."""
     cache = run / "ablation.json"
-    if cache.is_file():
-        return json.loads(cache.read_text())
-    rows = []
-    for model_name, (config, model) in run_models(run, device).items():
-        probs = model_probs(model, config, data, device)
+    rows = json.loads(cache.read_text()) if cache.is_file() else []
+    config = run_config(run)
+    for model_name in MODELS.keys() - {row["model"] for row in rows}:
+        probs = model_probs(MODELS[model_name](run, config, device), config, data, device)
         for option, (gate_search, force, zero_black) in OPTIONS.items():
             if probs[False][0].classes8 is None and any(k != "top_k" for k in gate_search):
                 continue  # a head gate without a head: not an option
             test_dice, cv, rule = tuned_test_dice(*probs[zero_black], config, gate_search, force)
             rows.append({"run": run.name, "model": model_name, "option": option, "test_dice": test_dice, "cv": cv,
                          "gate_on": rule["gate_on"], "force_label": rule["force_label"]})
-    with atomic_path(cache) as tmp:
-        tmp.write_text(json.dumps(rows, indent=1))
+        with atomic_path(cache) as tmp:
+            tmp.write_text(json.dumps(rows, indent=1))
     return rows
 
 
