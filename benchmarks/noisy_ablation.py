@@ -236,21 +236,36 @@ def evaluate_all(args) -> None:
           f"({steps['fpn-head'][0] / steps['fpn'][0] - 1:+.1%})")
 
 
+BASELINE = ("plain", "top-k gate (today)")  # within each run: today's recipe
+
+
 def table(results: list[dict]) -> str:
     """One line per (run kind, model, option): mean test Dice, mean share of the margin captured,
-    the worst margin over all-empty and its dataset, over the datasets that have it."""
+    its mean change against the same runs' plain model under today's rule and on how many datasets
+    it is higher, and the worst margin over all-empty with its dataset. Then the head's training
+    alone: head runs against head-off runs on the datasets that have both."""
     frame = pd.DataFrame(results)
     frame["margin"] = frame["test_dice"] - frame["all-empty"]
     frame["captured"] = frame["margin"] / (frame["box oracle"] - frame["all-empty"])
-    lines = [f"{'run':<7}{'model':<6}{'option':<30}{'datasets':>9}{'test Dice':>10}{'captured':>9}"
-             f"{'worst margin':>13}  worst dataset"]
+    base = frame[(frame["model"] == BASELINE[0]) & (frame["option"] == BASELINE[1])]
+    base = base.set_index(["run", "dataset"])["test_dice"]
+    frame["change"] = frame["test_dice"] - base.reindex(pd.MultiIndex.from_frame(frame[["run", "dataset"]])).to_numpy()
+    lines = [f"{'run':<7}{'model':<7}{'option':<30}{'datasets':>9}{'test Dice':>10}{'captured':>9}{'change':>9}"
+             f"{'higher':>7}{'worst margin':>13}  worst dataset"]
     for (run, model, option), group in frame.groupby(["run", "model", "option"], sort=False):
         worst = group.loc[group["margin"].idxmin()]
-        lines.append(f"{run:<7}{model:<6}{option:<30}{len(group):>9}{group['test_dice'].mean():>10.4f}"
-                     f"{group['captured'].mean():>8.0%} {worst['margin']:>+13.4f}  {worst['dataset']}")
+        higher = int((group["change"] > 1e-9).sum())
+        lines.append(f"{run:<7}{model:<7}{option:<30}{len(group):>9}{group['test_dice'].mean():>10.4f}"
+                     f"{group['captured'].mean():>8.0%} {group['change'].mean():>+9.4f}{higher:>4}/{len(group):<2}"
+                     f"{worst['margin']:>+13.4f}  {worst['dataset']}")
     per_dataset = frame.groupby("dataset")[["all-empty", "box oracle"]].first()
     lines.append(f"all-empty {per_dataset['all-empty'].mean():.4f}, box oracle {per_dataset['box oracle'].mean():.4f} "
                  f"(means over {len(per_dataset)} datasets)")
+    paired = base.unstack("run").dropna()
+    if {"head", "nohead"} <= set(paired.columns):
+        change = paired["head"] - paired["nohead"]
+        lines.append(f"training with the head (today's rule, plain model): {change.mean():+.4f} on {len(change)} "
+                     f"datasets with both runs, higher on {int((change > 0).sum())}")
     return "\n".join(lines)
 
 
