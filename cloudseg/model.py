@@ -63,11 +63,12 @@ class CloudNet(nn.Module):
 
 def forward_with_classes(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(mask logits, class logits or None) from a CloudNet, also inside DistributedDataParallel
-    or torch.compile (called through the wrapper, as DDP needs); any other module's output is
-    its mask logits."""
-    if isinstance(unwrapped(model), CloudNet):
+    or torch.compile (called through the wrapper, as DDP needs); any other module's output, or a
+    CloudNet's without a head, is its mask logits."""
+    inner = unwrapped(model)
+    if isinstance(inner, CloudNet) and inner.has_head:
         return model(images, with_classes=True)
-    return model(images), None
+    return model(images), None  # without a head, the plain call: as before the head existed
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
