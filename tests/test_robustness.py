@@ -166,3 +166,14 @@ def test_script_prints_the_table_with_every_column(tmp_path):
     truth = read_label_csv(tmp_path / "study/blobs-union/data/test_solution.csv")
     assert result["scores"]["all-empty"]["dice"] == pytest.approx(truth.eq("").to_numpy().mean())
     assert result["margin"] == pytest.approx(result["scores"]["default"]["dice"] - truth.eq("").to_numpy().mean())
+
+
+def test_variant_groups_name_the_clean_and_the_noisy_variants():
+    """--variants clean (the default) keeps the study as it was; noisy names the five crowd-labelled
+    ones. Catches a default that silently adds five trainings, or a group that mixes the two."""
+    from benchmarks.robustness import parse_args
+
+    clean, noisy = parse_args([]).variants, parse_args(["--variants", "noisy"]).variants
+    assert clean == ["noise-ellipses", "ripples-rotated", "blobs-union", "mixed-rare", "faint-small"]
+    assert noisy == [f"noisy-{name}" for name in clean]
+    assert all(VARIANTS[name].labellers is not None for name in noisy)
