@@ -14,6 +14,13 @@ bands. This generator is a different model on purpose, so that a recipe that onl
 - label frequencies per class (rare ~15%, common ~70%), every image with at least one label.
 - sizes that are not multiples of 32 and no-data wedges cut from a corner (or none).
 
+The `noisy-*` variants label the way Kaggle's crowd did (see `Labellers`): each image holds
+true cloud regions and unlabelled clutter; two to four simulated labellers each draw loose
+boxes around the regions they see, missing some, naming some with the wrong class, merging
+near boxes of one class; the label is the union of their boxes minus the no-data area. Their
+test folder also gets `box_oracle.csv`: the true regions' boxes as a submission, the most a
+model that found every region exactly could score against labels drawn this way.
+
 Usage: python benchmarks/kaggle_like.py VARIANT --out DIR [--n-train 64 --n-test 16]
 """
 
@@ -25,11 +32,31 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import pandas as pd
 
+from cloudseg import rle
+from cloudseg.files import atomic_path
+from cloudseg.metrics import resize_masks
 from cloudseg.synth import write_dataset
-from cloudseg.task import LABELS
+from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, image_label
 
 REFERENCE_WIDTH = 525  # texture scales below are in pixels at this width; they scale with the image
+BOX_ORACLE_CSV = "box_oracle.csv"  # noisy variants: the true regions' boxes, as a submission of the test images
+
+
+@dataclass(frozen=True)
+class Labellers:
+    """How a crowd labels an image, as on Kaggle (about 3 of 68 scientists per image, loose
+    rectangles, the truth their union). Shares are per labeller and region; `padding` and
+    `merge_gap` are shares of the image side."""
+
+    count: tuple[int, int] = (2, 4)  # labellers per image, inclusive
+    miss: float = 0.35  # a labeller does not label a region
+    wrong_class: float = 0.25  # labels it as another class
+    padding: tuple[float, float] = (0.0, 0.15)  # each side of a region's bounding box moves out by this much
+    merge_gap: float = 0.12  # two boxes of one class this close become the box around both
+    regions: tuple[int, int] = (1, 2)  # true regions per present class, inclusive
+    clutter: tuple[int, int] = (1, 3)  # small unlabelled cloud patches per image, inclusive
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,7 @@ class Variant:
     lift: float = 45.0  # cloud brightness over the sea, equal for every class
     sea_noise: float = 4.0  # fine sensor noise (grey levels, std)
     seed: int = 0
+    labellers: Labellers | None = None  # None: the label is the painted region itself
 
 
 VARIANTS = {
@@ -86,33 +114,161 @@ VARIANTS = {
         frequencies=(0.70, 0.45, 0.30, 0.15), size=(300, 450), shape="rotated_box",
         region_scale=(0.18, 0.40), contrast=12.0, lift=22.0, sea_noise=7.0, wedge_probability=0.25, seed=15),
 }
+# The same textures labelled by a crowd. True class shares are lower than the clean variants':
+# wrong-class boxes add labels, so that the labels come to ~2.1 per image and 45-50% of the
+# (image, label) pairs empty, as on Kaggle (the script's summary line prints both). Smaller
+# images than the clean variants, for a CPU budget of ten trainings per study.
+NOISY_SIZE = (224, 336)
+VARIANTS |= {
+    f"noisy-{name}": replace(VARIANTS[name], labellers=Labellers(), size=NOISY_SIZE, seed=VARIANTS[name].seed + 50,
+                             frequencies=frequencies)
+    for name, frequencies in (("noise-ellipses", (0.55, 0.15, 0.40, 0.30)),
+                              ("ripples-rotated", (0.30, 0.50, 0.15, 0.40)),
+                              ("blobs-union", (0.40, 0.25, 0.50, 0.15)),
+                              ("mixed-rare", (0.15, 0.15, 0.50, 0.55)),
+                              ("faint-small", (0.50, 0.40, 0.30, 0.15)))
+}
 
 
 def generate(variant: Variant, out_dir, n_train: int = 64, n_test: int = 16) -> Path:
     """Write train/test images, train.csv, sample_submission.csv and test_solution.csv (test
-    masks at 350×525) in the layout of `cloudseg synth`."""
+    masks at 350×525) in the layout of `cloudseg synth`; for a variant with labellers also
+    BOX_ORACLE_CSV (written last, like every CSV of a finished dataset)."""
     rng = np.random.default_rng(variant.seed)
-    return write_dataset(out_dir, lambda: sample(rng, variant), n_train, n_test, jpeg_quality=92)
+    oracles = []
+
+    def draw():
+        image, labels, oracle = sample_with_oracle(rng, variant)
+        oracles.append(oracle)
+        return image, labels
+
+    out_dir = write_dataset(out_dir, draw, n_train, n_test, jpeg_quality=92)
+    if variant.labellers is not None:
+        write_box_oracle(out_dir, oracles[n_train:])
+    return out_dir
+
+
+def write_box_oracle(out_dir: Path, oracles: list[np.ndarray]) -> Path:
+    """The test images' true-region boxes (4×H×W each, in test order) as a submission at 350×525."""
+    ids = pd.read_csv(out_dir / SAMPLE_SUBMISSION_CSV)[ID_COLUMN].str.rsplit("_", n=1).str[0].unique()
+    rows = [(image_label(image_id, label), rle.encode(mask))
+            for image_id, boxes in zip(ids, oracles) for label, mask in zip(LABELS, resize_masks(boxes))]
+    with atomic_path(out_dir / BOX_ORACLE_CSV) as tmp:
+        pd.DataFrame(rows, columns=[ID_COLUMN, RLE_COLUMN]).to_csv(tmp, index=False)
+    return out_dir / BOX_ORACLE_CSV
 
 
 def sample(rng: np.random.Generator, variant: Variant) -> tuple[np.ndarray, np.ndarray]:
-    """One image (H×W×3 uint8 RGB) and its masks (4×H×W uint8)."""
+    """One image (H×W×3 uint8 RGB) and its label masks (4×H×W uint8)."""
+    image, labels, _ = sample_with_oracle(rng, variant)
+    return image, labels
+
+
+def sample_with_oracle(rng: np.random.Generator, variant: Variant) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One image, its label masks, and the box oracle's masks (4×H×W uint8 each): with
+    labellers, the crowd's boxes and the true regions' boxes; without, the regions themselves
+    (twice)."""
     height, width = variant.size
     present = label_set(rng, variant.frequencies)
     valid = valid_area(rng, variant)
-    masks = np.zeros((len(LABELS), height, width), np.uint8)
-    for index in np.flatnonzero(present):
-        masks[index] = present_region(rng, variant, valid)
+    crowd = variant.labellers
+    regions = [(index, present_region(rng, variant, valid))
+               for index in np.flatnonzero(present) for _ in range(1 if crowd is None else rng.integers(
+                   crowd.regions[0], crowd.regions[1] + 1))]
+    painted = np.zeros((len(LABELS), height, width), np.uint8)
+    for index, mask in regions:
+        painted[index] |= mask
+    if crowd is None:
+        return paint(rng, variant, painted, valid), painted, painted
+    for _ in range(rng.integers(crowd.clutter[0], crowd.clutter[1] + 1)):  # cloud that nobody labels
+        small = replace(variant, region_scale=(0.06, 0.14))
+        painted[rng.integers(len(LABELS))] |= region(rng, variant.shape, variant.size, small.region_scale) & valid
+    oracle = np.zeros_like(painted)
+    for index, mask in regions:
+        oracle[index] |= box_mask(bounding_box(mask), variant.size)
+    return paint(rng, variant, painted, valid), crowd_labels(rng, crowd, regions, valid), oracle * valid
+
+
+def paint(rng, variant: Variant, painted: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """The image of cloud masks `painted` (4×H×W, each class's texture in its mask) over the sea."""
+    height, width = variant.size
     unit = width / REFERENCE_WIDTH
     grey = sea(rng, height, width, unit, variant.sea_noise)
-    soft = [cv2.GaussianBlur(m.astype(np.float32), (0, 0), 6 * unit) for m in masks]  # cloud edges fade
+    soft = [cv2.GaussianBlur(m.astype(np.float32), (0, 0), 6 * unit) for m in painted]  # cloud edges fade
     grey += variant.lift * np.max(soft, axis=0)
-    for label, mask, alpha in zip(LABELS, masks, soft):
+    for label, mask, alpha in zip(LABELS, painted, soft):
         if mask.any():
             grey += variant.contrast * alpha * texture(rng, variant.textures[label], height, width, unit)
     tint = np.array([0.6, 0.8, 1.0], np.float32)  # blue-grey sea, whiter where brighter
     image = np.clip(grey[..., None] * tint + np.clip(grey - 60, 0, None)[..., None] * (1 - tint), 0, 255)
-    return (image * valid[..., None]).astype(np.uint8), masks
+    return (image * valid[..., None]).astype(np.uint8)
+
+
+def crowd_labels(rng, crowd: Labellers, regions: list[tuple[int, np.ndarray]], valid: np.ndarray,
+                 tries: int = 20) -> np.ndarray:
+    """The union of the labellers' boxes per class, minus no-data (4×H×W uint8); drawn again
+    while it is empty, since every Kaggle image has at least one label."""
+    size = valid.shape
+    for _ in range(tries):
+        labels = np.zeros((len(LABELS), *size), np.uint8)
+        for _ in range(rng.integers(crowd.count[0], crowd.count[1] + 1)):
+            for index, box in labeller_boxes(rng, crowd, regions, size):
+                labels[index] |= box_mask(box, size)
+        labels *= valid
+        if labels.any():
+            return labels
+    raise RuntimeError(f"the labellers left an image unlabelled {tries} times; lower Labellers.miss")
+
+
+def labeller_boxes(rng, crowd: Labellers, regions, size) -> list[tuple[int, tuple[float, float, float, float]]]:
+    """One labeller's boxes (class, (x0, y0, x1, y1)): each region seen or missed, its class
+    right or wrong, its box loose; near boxes of one class merged into one."""
+    height, width = size
+    boxes: dict[int, list] = {}
+    for index, mask in regions:
+        if rng.random() < crowd.miss:
+            continue
+        if rng.random() < crowd.wrong_class:
+            index = int(rng.choice([c for c in range(len(LABELS)) if c != index]))
+        pad = rng.uniform(*crowd.padding, 4) * (width, height, width, height)
+        x0, y0, x1, y1 = bounding_box(mask)
+        boxes.setdefault(index, []).append((x0 - pad[0], y0 - pad[1], x1 + pad[2], y1 + pad[3]))
+    gap = crowd.merge_gap * max(height, width)
+    return [(index, box) for index, drawn in boxes.items() for box in merged(drawn, gap)]
+
+
+def merged(boxes: list, gap: float) -> list:
+    """Boxes with every two that come within `gap` of each other replaced by the box around both."""
+    boxes = list(boxes)
+    joined = True
+    while joined:
+        joined = False
+        for i in range(len(boxes)):
+            for j in range(i + 1, len(boxes)):
+                a, b = boxes[i], boxes[j]
+                if max(a[0], b[0]) - min(a[2], b[2]) <= gap and max(a[1], b[1]) - min(a[3], b[3]) <= gap:
+                    boxes[i] = (min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))
+                    del boxes[j]
+                    joined = True
+                    break
+            if joined:
+                break
+    return boxes
+
+
+def bounding_box(mask: np.ndarray) -> tuple[int, int, int, int]:
+    """(x0, y0, x1, y1) of a non-empty mask, x1 and y1 exclusive."""
+    x, y, w, h = cv2.boundingRect(mask.astype(np.uint8))
+    return x, y, x + w, y + h
+
+
+def box_mask(box, size: tuple[int, int]) -> np.ndarray:
+    """A uint8 mask of `size` that is 1 inside the box (x0, y0, x1, y1), clipped to the image."""
+    height, width = size
+    x0, y0, x1, y1 = (int(round(v)) for v in box)
+    mask = np.zeros(size, np.uint8)
+    mask[max(0, y0) : min(height, y1), max(0, x0) : min(width, x1)] = 1
+    return mask
 
 
 def label_set(rng: np.random.Generator, frequencies) -> np.ndarray:

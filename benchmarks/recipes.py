@@ -26,7 +26,7 @@ import torch
 from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
 from cloudseg.data import fold_ids
-from cloudseg.loss import per_image_loss
+from cloudseg.engine import micro_batch_losses
 from cloudseg.metrics import evaluate_submission
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.synth import TEST_SOLUTION_CSV, synthesize
@@ -44,6 +44,7 @@ OPTIONS = {
     "unet": ["model.arch=unet", UNET_WIDTHS],
     "ema": ["model.arch=unet", UNET_WIDTHS, "train.ema=0.9"],
     "fpn": ["model.arch=fpn", "model.decoder_channels=[128,64]"],
+    "fpn-head": ["model.arch=fpn", "model.decoder_channels=[128,64]", "model.cls_head=true"],
     "unetplusplus": ["model.arch=unetplusplus", UNET_WIDTHS],
 }
 TIMED_ROUNDS = 6  # interleaved training steps per option, after one untimed warm-up round
@@ -65,10 +66,11 @@ def run_option(name: str, data: Path, root: Path, epochs: int, device: str) -> d
             "run_s_per_epoch": float((train_images / metrics["images_per_s"]).median()), "train_images": train_images}
 
 
-def interleaved_step_seconds(names: list[str], size: tuple[int, int]) -> dict[str, tuple[float, int]]:
+def interleaved_step_seconds(names: list[str], size: tuple[int, int],
+                             rounds: int = TIMED_ROUNDS) -> dict[str, tuple[float, int]]:
     """(best seconds of one optimizer step of the demo config, parameter count) per option: the
     options take turns, so a load on the machine slows them alike. An EMA update is part of the
-    step where the option has one."""
+    step where the option has one, and the classification head's loss where it has a head."""
     torch.manual_seed(0)
     steps = {}
     for name in names:
@@ -80,11 +82,11 @@ def interleaved_step_seconds(names: list[str], size: tuple[int, int]) -> dict[st
     images = {name: torch.randint(0, 256, (micro, 3, *size), dtype=torch.uint8) for name, (_, _, micro, _) in steps.items()}
     masks = {name: (torch.rand(len(batch), 4, *size) < 0.3).to(torch.uint8) for name, batch in images.items()}
     times = {name: [] for name in names}
-    for round_ in range(TIMED_ROUNDS + 1):
+    for round_ in range(rounds + 1):
         for name, (model, ema, _, accumulation) in steps.items():
             start = time.perf_counter()
-            for _ in range(accumulation):
-                per_image_loss(model(images[name]), masks[name]).mean().backward()
+            for _ in range(accumulation):  # the head's loss too, where the option has one
+                micro_batch_losses(model, images[name], masks[name], None, 1.0).mean().backward()
             model.zero_grad(set_to_none=True)
             if ema is not None:
                 ema.update_parameters(model)
@@ -106,7 +108,8 @@ def table(results: list[dict], steps: dict, effective_batch: int) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated, from {', '.join(OPTIONS)}")
+    parser.add_argument("--options", default="unet,ema,fpn,unetplusplus",
+                        help=f"comma-separated, from {', '.join(OPTIONS)}")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--n-train", type=int, default=64)
     parser.add_argument("--n-test", type=int, default=32)

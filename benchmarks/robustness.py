@@ -8,10 +8,13 @@ frequencies unlike `cloudseg synth`): generate a dataset, run exactly what a use
 
 and score the submission against the test truth, beside three references: the all-empty
 submission, `predict --postprocess none` (the config's untuned rule), and an explicit
-`cloudseg tune RUN` + `predict --postprocess FILE`. Every variant's data, run directory,
-submissions and command logs stay under --out for inspection.
+`cloudseg tune RUN` + `predict --postprocess FILE`. On the noisy-label variants (`--variants
+noisy`) also the box oracle (the true regions' boxes against the crowd's labels: the most a
+model can hope for) and the share of the margin captured, (default − all-empty) / (box oracle
+− all-empty). Every variant's data, run directory, submissions and command logs stay under
+--out for inspection.
 
-Usage: python benchmarks/robustness.py [--variants a,b] [--n-train 64] [--n-test 16]
+Usage: python benchmarks/robustness.py [--variants clean|noisy|all|a,b] [--n-train 64] [--n-test 16]
        [--epochs 6] [--out DIR] [--json FILE] [--size H W] [--seed-offset K] [--set key=value ...]
        [--device auto|cpu|cuda]
 """
@@ -41,12 +44,14 @@ from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV
 from cloudseg.units import human_duration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kaggle_like import VARIANTS, generate  # noqa: E402
+from kaggle_like import BOX_ORACLE_CSV, VARIANTS, generate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 MARKER = ".robustness"  # marks a variant folder this script wrote, which a rerun may replace
 COLUMNS = ("all-empty", "untuned", "default", "explicit tune")
+GROUPS = {"clean": [name for name, v in VARIANTS.items() if v.labellers is None],
+          "noisy": [name for name, v in VARIANTS.items() if v.labellers is not None], "all": list(VARIANTS)}
 
 
 def cloudseg(*args: str, log: Path, env: dict[str, str] | None = None) -> None:
@@ -118,6 +123,8 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
              "--postprocess", str(folder / "tuned.json"), *device, log=log)
     submissions = dict(zip(COLUMNS, (write_all_empty(data, folder / "all_empty.csv"), folder / "untuned.csv",
                                      folder / "default.csv", folder / "explicit.csv")))
+    if (data / BOX_ORACLE_CSV).is_file():
+        submissions["box oracle"] = data / BOX_ORACLE_CSV
     truth = data / TEST_SOLUTION_CSV
     scores = {column: evaluate_submission(path, truth) for column, path in submissions.items()}
     return {
@@ -125,42 +132,61 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
         "train_label_shares": label_shares(read_train_csv(data)),
         "test_label_shares": label_shares(read_label_csv(truth)),
         "scores": scores, "margin": scores["default"]["dice"] - scores["all-empty"]["dice"],
+        "captured": captured(scores["default"]["dice"], scores),
         "rule": json.loads((run / "postprocess.json").read_text()),
         "train_seconds": train_seconds, "seconds": time.perf_counter() - started, "folder": str(folder),
     }
 
 
+def captured(dice: float, scores: dict) -> float:
+    """The share of the margin a submission scoring `dice` captures, (dice − all-empty) / (box
+    oracle − all-empty); NaN without a box oracle (clean labels) or without a margin to capture."""
+    if "box oracle" not in scores:
+        return float("nan")
+    room = scores["box oracle"]["dice"] - scores["all-empty"]["dice"]
+    return (dice - scores["all-empty"]["dice"]) / room if room > 0 else float("nan")
+
+
 def table(results: list[dict]) -> str:
-    """The study's table: one row per variant (Dice of each submission), then mean and worst case."""
-    header = (f"{'variant':<17}{'size':>9}  {'labels % F/Fl/G/S':<18}"
-              + "".join(f"{c:>15}" for c in COLUMNS) + f"{'margin':>9}{'seconds':>9}")
+    """The study's table: one row per variant (Dice of each submission, the box oracle where
+    there is one, the share captured), then mean and worst case (the smallest margin)."""
+    header = (f"{'variant':<24}{'size':>9}  {'labels % F/Fl/G/S':<18}" + "".join(f"{c:>14}" for c in COLUMNS)
+              + f"{'box oracle':>11}{'margin':>9}{'captured':>9}{'seconds':>9}")
+    figures = np.array([[r["scores"][c]["dice"] for c in COLUMNS]
+                        + [r["scores"].get("box oracle", {"dice": np.nan})["dice"], r["margin"], r["captured"],
+                           r["seconds"]] for r in results])
     lines = [header]
-    for r in results:
+    for r, row in zip(results, figures):
         labels = "/".join(f"{100 * f:.0f}" for f in r["frequencies"])
-        lines.append(f"{r['variant']:<17}{r['size'][0]:>4}x{r['size'][1]:<4}  {labels:<18}"
-                     + "".join(f"{r['scores'][c]['dice']:>15.4f}" for c in COLUMNS)
-                     + f"{r['margin']:>+9.4f}{r['seconds']:>9.0f}")
-    figures = np.array([[r["scores"][c]["dice"] for c in COLUMNS] + [r["margin"], r["seconds"]] for r in results])
-    worst = figures[np.argmin(figures[:, -2])]  # the variant with the smallest margin over all-empty
+        lines.append(f"{r['variant']:<24}{r['size'][0]:>4}x{r['size'][1]:<4}  {labels:<18}" + figure_cells(row))
+    worst = figures[np.argmin(figures[:, -3])]  # the variant with the smallest margin over all-empty
     for label, row in (("mean", figures.mean(axis=0)), ("worst case", worst)):
-        lines.append(f"{label:<17}{'':>9}  {'':<18}" + "".join(f"{v:>15.4f}" for v in row[:-2])
-                     + f"{row[-2]:>+9.4f}{row[-1]:>9.0f}")
+        lines.append(f"{label:<24}{'':>9}  {'':<18}" + figure_cells(row))
     return "\n".join(lines)
+
+
+def figure_cells(row) -> str:
+    """A table row's figures: the submissions' Dice, box oracle, margin, share captured, seconds."""
+    *dice, oracle, margin, share, seconds = row
+    return ("".join(f"{v:>14.4f}" for v in dice) + (f"{oracle:>11.4f}" if np.isfinite(oracle) else f"{'-':>11}")
+            + f"{margin:>+9.4f}" + (f"{share:>8.0%} " if np.isfinite(share) else f"{'-':>9}") + f"{seconds:>9.0f}")
 
 
 def per_class_table(results: list[dict]) -> str:
     """Test Dice of the default submission per class, and each class's pooled share in its rule."""
-    lines = [f"{'variant':<17}" + "".join(f"{label:>9}" for label in LABELS) + "  pooled share F/Fl/G/S"]
+    lines = [f"{'variant':<24}" + "".join(f"{label:>9}" for label in LABELS) + "  pooled share F/Fl/G/S"]
     for r in results:
         shares = "/".join(f"{100 * r['rule']['pooled_weight'][label]:.0f}" for label in LABELS)
-        lines.append(f"{r['variant']:<17}" + "".join(f"{r['scores']['default'][label]:>9.4f}" for label in LABELS)
+        lines.append(f"{r['variant']:<24}" + "".join(f"{r['scores']['default'][label]:>9.4f}" for label in LABELS)
                      + f"  {shares} %")
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="clean",
+                        help=f"clean (the default), noisy (crowd-drawn labels), all, or comma-separated names from "
+                             f"{', '.join(VARIANTS)}")
     parser.add_argument("--n-train", type=int, default=64)
     parser.add_argument("--n-test", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=6)
@@ -174,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="extra training config override, e.g. train.lr=1e-3 (repeatable)")
     add_device_option(parser, "training and prediction run (train.device, predict --device)")
     args = parser.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.variants = GROUPS.get(args.variants) or [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")
@@ -193,8 +219,10 @@ def main(argv=None) -> None:
         variant = replace(VARIANTS[name], seed=VARIANTS[name].seed + args.seed_offset)
         variant = replace(variant, size=tuple(args.size)) if args.size else variant
         results.append(study_variant(name, variant, args, root))
+        shares = results[-1]["train_label_shares"]
         print(f"  {name}: default {results[-1]['scores']['default']['dice']:.4f}, all-empty "
-              f"{results[-1]['scores']['all-empty']['dice']:.4f} ({human_duration(results[-1]['seconds'])})", flush=True)
+              f"{results[-1]['scores']['all-empty']['dice']:.4f} ({human_duration(results[-1]['seconds'])}); training labels: "
+              f"{sum(shares):.2f} per image, {1 - sum(shares) / len(LABELS):.0%} of pairs empty", flush=True)
     print(f"\nmean Dice at 350x525 on the test images (load at end {os.getloadavg()[0]:.1f})")
     print(table(results))
     print("\ndefault submission, test Dice per class")

@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="I wrote OLD myself: loading it may run any code it holds")
     convert.set_defaults(run=run_convert_checkpoint)
 
+    swa = commands.add_parser("swa", help="average checkpoints' weights (SWA), BatchNorm recomputed over the training "
+                              "images, into one checkpoint")
+    swa.add_argument("checkpoints", nargs="+", metavar="CKPT", help="e.g. RUN/epochs/epoch6.pt RUN/epochs/epoch7.pt")
+    swa.add_argument("--out", required=True, help="the averaged checkpoint to write")
+    add_device_option(swa, "the BatchNorm pass runs")
+    swa.set_defaults(run=run_swa)
+
     tune = commands.add_parser("tune", help="search per-class threshold, min area and empty-mask gate on OOF probabilities")
     tune.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs with oof.npz (e.g. every fold)")
     tune.add_argument("--out", help="default: postprocess.json beside the first run directory")
@@ -299,6 +306,13 @@ def run_convert_checkpoint(args) -> None:
     from cloudseg.checkpoint import convert_checkpoint
 
     print(f"wrote {convert_checkpoint(args.checkpoint, args.out, trust=args.trust)}")
+
+
+def run_swa(args) -> None:
+    from cloudseg.hardware import resolve_device
+    from cloudseg.swa import swa
+
+    print(f"wrote {swa(args.checkpoints, args.out, resolve_device(args.device))}")
 
 
 def run_tune(args) -> None:

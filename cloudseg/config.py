@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cloudseg.task import LABELS
 
 
+GateScore = Literal["top_k", "head", "score"]
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -64,6 +67,10 @@ class ModelConfig(Section):
     norm: Literal["batch", "frozen", "group"] = Field(
         "batch", description="batch: BatchNorm as is; frozen: encoder norm layers in eval mode; group: GroupNorm"
     )
+    cls_head: bool = Field(
+        False, description="a classification head (smp's aux_params) on the encoder's deepest features: a presence "
+        "logit per class, trained with train.cls_weight, that the tuned rule may use as its empty-mask gate"
+    )
 
     @model_validator(mode="after")
     def _decoder_channels_fit_the_arch(self):
@@ -97,6 +104,10 @@ class TrainConfig(Section):
     )
     grad_clip: float | None = Field(1.0, gt=0, description="max global gradient norm; null = no clipping")
     dice_weight: float = Field(1.0, ge=0, description="loss = BCE + dice_weight x per-image soft Dice loss")
+    cls_weight: float = Field(
+        0.1, ge=0, description="with model.cls_head: loss += cls_weight x BCE of the head's logits on "
+        "'this class has a mask' (per image, so it accumulates exactly like the rest)"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     max_skipped_windows: int = Field(
         5, ge=1, description="stop after this many windows in a row with a non-finite loss or gradient"
@@ -115,6 +126,18 @@ class TrainConfig(Section):
         False, description="deterministic GPU algorithms (cuDNN, cuBLAS, no benchmark): runs and resumes repeat bit "
         "for bit on a GPU, ~10% slower; false = fastest kernels, runs differ in the last bits"
     )
+    swa: int | None = Field(
+        None, ge=1, description="average the weights of K epochs (train.swa_from) at the end, BatchNorm statistics "
+        "recomputed over the training images; the average becomes best.pt's model; keeps each epoch's weights in "
+        "RUN/epochs/; null = off"
+    )
+    swa_from: Literal["last", "best"] = Field(
+        "last", description="which K epochs train.swa averages: the last K, or the K with the highest dice_tuned"
+    )
+    save_epochs: bool = Field(
+        False, description="keep every epoch's training weights in RUN/epochs/epochN.pt (train.swa does anyway), "
+        "to average later with cloudseg swa"
+    )
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each micro-batch's forward and loss (one graph per micro-batch shape, "
         "compiled in the first window); auto = on with CUDA (where Triton is installed)"
@@ -131,6 +154,13 @@ class TrainConfig(Section):
                 f"train.effective_batch ({self.effective_batch}) must be a multiple of "
                 f"train.micro_batch ({self.micro_batch})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _swa_fits_the_epochs(self):
+        if self.swa is not None and self.swa > self.epochs:
+            raise ValueError(f"train.swa={self.swa} averages {self.swa} epochs' weights, more than train.epochs="
+                             f"{self.epochs} saves; set train.swa to at most {self.epochs}")
         return self
 
     @property
@@ -158,7 +188,25 @@ class PredictConfig(Section):
         (0,) * 4, description="per-class minimum connected-component area in pixels at 350x525; one number = all"
     )
     gate: tuple[float, float, float, float] = Field(
-        (0.0,) * 4, description="per-class empty-mask gate: keep a mask only if its top-1000 mean probability clears it"
+        (0.0,) * 4, description="per-class empty-mask gate: keep a mask only if its gate score (predict.gate_on) "
+        "clears it"
+    )
+    gate_on: tuple[GateScore, GateScore, GateScore, GateScore] = Field(
+        ("top_k",) * 4, description="per-class gate score: top_k = mean of the top-1000 pixel probabilities; head = "
+        "the classification head's probability; score = the mean of the two (pudae's); head and score need "
+        "model.cls_head"
+    )
+    gate_search: tuple[GateScore, ...] = Field(
+        ("top_k",), description="gate scores the tuning tries per class: top_k, head, score (head and score only for "
+        "a model with a head; they scored lower on noisy labels at demo scale, BENCHMARKS.md)"
+    )
+    force_label: float | None = Field(
+        None, ge=0, le=1, description="at least one label per image: where the rule empties all four classes, keep "
+        "the class of highest score (head and top-k mean, or top-k mean alone) thresholded at this; null = off"
+    )
+    force_label_search: bool = Field(
+        False, description="the tuning also tries force_label (off or one threshold); off by default: it did not "
+        "score higher on noisy labels at demo scale (BENCHMARKS.md)"
     )
     batch_size: int = Field(4, ge=1, description="images per inference batch")
     zero_black: bool = Field(False, description="zero the probabilities where the image is black (no-data bands)")
@@ -170,10 +218,10 @@ class PredictConfig(Section):
         "auto = on with CUDA (where Triton is installed)"
     )
 
-    @field_validator("threshold", "min_area", "gate", mode="before")
+    @field_validator("threshold", "min_area", "gate", "gate_on", mode="before")
     @classmethod
     def _one_per_class(cls, value):
-        return (value,) * len(LABELS) if isinstance(value, (int, float)) else value
+        return (value,) * len(LABELS) if isinstance(value, (int, float, str)) else value
 
 
 class Config(Section):

@@ -36,7 +36,7 @@ from cloudseg.compiled import compile_logged, compiled
 from cloudseg.decode import decode_batch
 from cloudseg.hardware import autocast
 from cloudseg.loss import per_image_loss
-from cloudseg.model import norm_statistics, restore_norm_statistics
+from cloudseg.model import forward_with_classes, norm_statistics, restore_norm_statistics
 from cloudseg.syncs import named_sync
 
 log = logging.getLogger("cloudseg")
@@ -54,6 +54,7 @@ class StepContext:
     grad_clip: float | None = None  # max global gradient norm; None = no clipping
     dice_weight: float = 1.0  # loss = BCE + dice_weight × soft Dice
     compile: bool = False  # train.compile: each micro-batch's forward and loss as one torch.compile graph
+    cls_weight: float = 0.1  # + cls_weight × the classification head's BCE (a model with model.cls_head)
 
     def __post_init__(self):
         self.losses = compiled(micro_batch_losses) if self.compile else micro_batch_losses
@@ -88,12 +89,12 @@ def split(window: list[dict], micro_batch: int | None) -> list[dict]:
 
 
 def micro_batch_losses(model: torch.nn.Module, images: torch.Tensor, masks: torch.Tensor, dtype: torch.dtype | None,
-                       dice_weight: float) -> torch.Tensor:
-    """Forward one micro-batch under autocast; its per-image losses, in fp32 or wider."""
+                       dice_weight: float, cls_weight: float = 0.1) -> torch.Tensor:
+    """Forward one micro-batch under autocast; its per-image losses (the head's included), in fp32 or wider."""
     with autocast(images.device, dtype):
-        logits = model(images)
+        logits, class_logits = forward_with_classes(model, images)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return per_image_loss(logits, masks, dice_weight)
+    return per_image_loss(logits, masks, dice_weight, class_logits, cls_weight)
 
 
 def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, weight: float = 1.0,
@@ -110,7 +111,7 @@ def accumulate(ctx: StepContext, micro_batches: list[dict], window_images: int, 
             masks = batch["mask"].to(ctx.device, non_blocking=True)
             # The shape is known only once decoded: in gpu mode the worker sends JPEG bytes.
             with compile_logged(ctx.compile, images.shape, distributed.world_size()):
-                losses = ctx.losses(ctx.model, images, masks, ctx.dtype, ctx.dice_weight)
+                losses = ctx.losses(ctx.model, images, masks, ctx.dtype, ctx.dice_weight, ctx.cls_weight)
                 if statistics is not None:
                     statistics.add()  # outside the compiled graph
                 loss = losses.sum() * weight / window_images

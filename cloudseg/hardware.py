@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 
 from cloudseg.units import human_duration
 
@@ -180,11 +181,12 @@ def nondeterministic_cuda_backward(model: torch.nn.Module, image_size, device: s
             state = {name: fake.from_tensor(tensor).to(device)
                      for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
             image = torch.zeros(1, 3, *image_size, dtype=torch.uint8, device=device)
-            output = torch.func.functional_call(model.train(), state, (image,))
+            heads = {"with_classes": True} if getattr(model, "has_head", False) else {}  # the head's graph too
+            outputs = torch.func.functional_call(model.train(), state, (image,), heads)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         model.train(was_training)
-    found, seen, stack = [], set(), [output.grad_fn]
+    found, seen, stack = [], set(), [out.grad_fn for out in tree_leaves(outputs) if isinstance(out, torch.Tensor)]
     while stack:
         node = stack.pop()
         if node is None or node in seen:

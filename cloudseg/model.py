@@ -30,7 +30,9 @@ FPN_DECODER_CHANNELS = (256, 128)  # pyramid, segmentation
 
 
 class CloudNet(nn.Module):
-    """uint8 RGB images (N×3×H×W, any H, W) in; logits for the four labels (N×4×H×W) out.
+    """uint8 RGB images (N×3×H×W, any H, W) in; logits for the four labels (N×4×H×W) out, and
+    with `with_classes=True` also the classification head's presence logits (N×4, None for a
+    network without model.cls_head).
 
     Normalization runs on the model's device, so batches travel there as uint8 (4x fewer
     bytes); padding to a multiple of 32 and the exact crop back happen here too. The smp
@@ -45,11 +47,52 @@ class CloudNet(nn.Module):
         self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255, persistent=False)
         self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255, persistent=False)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    @property
+    def has_head(self) -> bool:
+        return getattr(self.unet, "classification_head", None) is not None
+
+    def forward(self, images: torch.Tensor, with_classes: bool = False):
         x = pad((images.float() - self.mean) / self.std)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return crop(self.unet(x), images.shape[-2:])
+        out = self.unet(x)  # smp gives (masks, labels) when it has a classification head
+        masks, classes = out if isinstance(out, tuple) else (out, None)
+        masks = crop(masks, images.shape[-2:])
+        return (masks, classes) if with_classes else masks
+
+
+def forward_with_classes(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mask logits, class logits or None) from a CloudNet, also inside DistributedDataParallel
+    or torch.compile (called through the wrapper, as DDP needs); any other module's output, or a
+    CloudNet's without a head, is its mask logits."""
+    inner = unwrapped(model)
+    if isinstance(inner, CloudNet) and inner.has_head:
+        return model(images, with_classes=True)
+    return model(images), None  # without a head, the plain call: as before the head existed
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside DistributedDataParallel (`module`) and torch.compile (`_orig_mod`) wrappers."""
+    while not isinstance(model, CloudNet):
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+    return model
+
+
+HEAD_PREFIX = "unet.classification_head."  # the state-dict keys of smp's classification head
+
+
+def load_weights(model: CloudNet, weights: dict, source) -> None:
+    """`model.load_state_dict(weights)`, with a one-line error naming `source` when the weights
+    have a classification head and the model has none, or the other way round (a checkpoint
+    whose model.cls_head does not match its weights, or weights from another run)."""
+    saved = any(key.startswith(HEAD_PREFIX) for key in weights)
+    if saved != model.has_head:
+        raise ValueError(f"{source}: the weights {'have' if saved else 'have no'} classification head but the config "
+                         f"says model.cls_head={str(model.has_head).lower()}; they do not belong together")
+    model.load_state_dict(weights)
 
 
 def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
@@ -70,8 +113,11 @@ def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
 
 def _unet(config: ModelConfig, weights: str | None) -> nn.Module:
     """The smp network of `config`, of any model.arch (the name predates the others)."""
+    # Logits (no activation) and no dropout: smp's default 0.2 would draw other masks on each of
+    # several processes, and the step would no longer equal one process's.
+    head = {"aux_params": {"classes": len(LABELS), "dropout": None}} if config.cls_head else {}
     return smp.create_model(config.arch, encoder_name=config.encoder, encoder_weights=weights,
-                            classes=len(LABELS), **decoder_arguments(config))
+                            classes=len(LABELS), **decoder_arguments(config), **head)
 
 
 def decoder_arguments(config: ModelConfig) -> dict:

@@ -4,8 +4,13 @@ Data path: probabilities at 350×525 → **post-process** → submission.
 
 The rule, per class: quantize probabilities to uint8 (as out-of-fold files store them), keep
 pixels above the threshold, drop 8-connected components smaller than the minimum area, and
-empty the mask unless the mean of its image's `top_k` highest probabilities clears the gate.
-Tuning and prediction apply this same rule to the same uint8 values.
+empty the mask unless its gate score clears the gate. The gate score (`gate_on`) is the mean
+of the image's `top_k` highest probabilities of the class (`top_k`), the classification
+head's probability (`head`), or the mean of the two (`score`, pudae's class score, 1st place).
+Then, with `force_label`, an image the rule left without any label keeps the class of highest
+presence score (the mean of head and top-k mean; the top-k mean without a head), its pixels
+above `force_label`: every Kaggle image has at least one label.
+Tuning and prediction apply this same rule to the same uint8 values (head probabilities too).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ GATES = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 
 RULE_KEYS = ("threshold", "min_area", "gate")
+GATE_SCORES = ("top_k", "head", "score")  # top_k first: among tied rules the search keeps the one without the head
+HEAD_GATES = ("head", "score")
+RULE_DEFAULTS = {"gate_on": ["top_k"] * len(LABELS), "force_label": None}  # keys that files before them lack
 RULE_FILE = "postprocess.json"  # every run writes its tuned rule under this name; make cv the pooled one
 
 
@@ -44,6 +52,10 @@ def read_rule_file(path: str | Path) -> dict:
     if missing:
         raise ValueError(f"{path}: not a cloudseg postprocess.json (no {', '.join(missing)})")
     result.setdefault("top_k", TOP_K)  # files written before the gate existed
+    for key, value in RULE_DEFAULTS.items():
+        result.setdefault(key, value)
+    if len(result["gate_on"]) != len(LABELS) or any(kind not in GATE_SCORES for kind in result["gate_on"]):
+        raise ValueError(f"{path}: gate_on must name one of {', '.join(GATE_SCORES)} per class, got {result['gate_on']!r}")
     if not isinstance(result["top_k"], int) or isinstance(result["top_k"], bool) or result["top_k"] < 1:
         raise ValueError(f"{path}: top_k must be a positive integer, got {result['top_k']!r}")
     return result
@@ -61,19 +73,59 @@ def quantize(probs) -> np.ndarray:
     return np.clip(np.rint(np.asarray(probs, np.float32) * 255), 0, 255).astype(np.uint8)
 
 
-def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), top_k: int = TOP_K) -> np.ndarray:
-    """(N, 4, H, W) probabilities (float or uint8) -> uint8 masks by the rule above."""
+def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), top_k: int = TOP_K,
+                gate_on=RULE_DEFAULTS["gate_on"], classes8: np.ndarray | None = None,
+                force_label: float | None = None) -> np.ndarray:
+    """(N, 4, H, W) probabilities (float or uint8) -> uint8 masks by the rule above; `classes8`:
+    the head's (N, 4) uint8 probabilities, needed by the head and score gates."""
     probs8 = probs if probs.dtype == np.uint8 else quantize(probs)
     masks = np.zeros(probs8.shape, np.uint8)
-    top_means = top_k_mean(probs8, top_k) if any(gates) else np.ones(probs8.shape[:2])
+    opened = (gate_scores(probs8, classes8, gate_on, top_k) >= np.asarray(gates) if any(gates)
+              else np.ones(probs8.shape[:2], bool))
     for index in np.ndindex(probs8.shape[:2]):
         label = index[1]
-        if top_means[index] < gates[label]:
+        if not opened[index]:
             continue
         mask = (probs8[index] > thresholds[label] * 255).view(np.uint8)
         if min_areas[label] > 0 and mask.any():
             mask = remove_small_components(mask, min_areas[label])
         masks[index] = mask
+    if force_label is not None:
+        force_one_label(masks, probs8, classes8, force_label, top_k)
+    return masks
+
+
+def gate_scores(probs8: np.ndarray, classes8: np.ndarray | None, gate_on, top_k: int = TOP_K) -> np.ndarray:
+    """(N, 4) gate score of each (image, class) in [0, 1], of the kind `gate_on` names per class."""
+    kinds = all_gate_scores(probs8, classes8, top_k, [kind for kind in GATE_SCORES if kind in gate_on])
+    return np.stack([kinds[kind][:, c] for c, kind in enumerate(gate_on)], axis=1)
+
+
+def all_gate_scores(probs8: np.ndarray, classes8: np.ndarray | None, top_k: int, kinds=GATE_SCORES) -> dict:
+    """{kind: (N, ...) scores} for each of `kinds`; probs8 (N, ..., H, W), classes8 (N, ...)."""
+    if classes8 is None and any(kind in HEAD_GATES for kind in kinds):
+        raise ValueError(f"the gate scores {', '.join(k for k in kinds if k in HEAD_GATES)} need the "
+                         "classification head's probabilities, and this model has no head (model.cls_head)")
+    top = top_k_mean(probs8, top_k)
+    head = None if classes8 is None else np.asarray(classes8, np.float64) / 255
+    every = {"top_k": lambda: top, "head": lambda: head, "score": lambda: (top + head) / 2}
+    return {kind: every[kind]() for kind in kinds}
+
+
+def presence_scores(probs8: np.ndarray, classes8: np.ndarray | None, top_k: int = TOP_K) -> np.ndarray:
+    """(N, 4): how sure the model is that each class is present, to choose the forced label:
+    pudae's score with a head, the top-k mean without."""
+    return all_gate_scores(probs8, classes8, top_k, ["top_k" if classes8 is None else "score"]).popitem()[1]
+
+
+def force_one_label(masks: np.ndarray, probs8: np.ndarray, classes8: np.ndarray | None, threshold: float,
+                    top_k: int = TOP_K) -> np.ndarray:
+    """In place: each image whose masks are all empty gets the class of highest presence score,
+    its pixels above `threshold` (no minimum area, no gate); other images are left alone."""
+    empty = np.flatnonzero(~masks.any(axis=(1, 2, 3)))
+    if len(empty):
+        chosen = presence_scores(probs8[empty], None if classes8 is None else classes8[empty], top_k).argmax(1)
+        masks[empty, chosen] = probs8[empty, chosen] > threshold * 255
     return masks
 
 
@@ -107,11 +159,12 @@ CHUNK = 16  # images per connected-components call (about 30 MB of temporaries a
 
 
 def grid_scores(probs8: np.ndarray, truth: np.ndarray, thresholds=THRESHOLDS, min_areas=MIN_AREAS,
-                gates=GATES, top_k: int = TOP_K) -> np.ndarray:
+                gates=GATES, top_k: int = TOP_K, gate_values: np.ndarray | None = None) -> np.ndarray:
     """Mean Dice of one class over N images for every (threshold, min area, gate): shape (T, A, G).
 
     probs8: (N, H, W) uint8; truth: (N, H, W) bool or integer (nonzero = the class). Each cell equals
-    `postprocess` with that rule followed by `metrics.dice`, averaged over the images.
+    `postprocess` with that rule followed by `metrics.dice`, averaged over the images. The gate
+    looks at the top-k mean, or at `gate_values`: (N, K) scores of K gate kinds, giving (T, A, G, K).
     """
     probs8, truth = np.asarray(probs8), np.asarray(truth)
     if probs8.dtype != np.uint8 or probs8.ndim != 3 or truth.shape != probs8.shape:
@@ -126,10 +179,11 @@ def grid_scores(probs8: np.ndarray, truth: np.ndarray, thresholds=THRESHOLDS, mi
     truth_area = np.count_nonzero(truth, axis=(1, 2)).astype(np.float64)[:, None, None]
     total = pred_area + truth_area
     dice = np.where(total == 0, 1.0, 2 * overlap / np.maximum(total, 1))  # (N, T, A)
-    open_gate = top_k_mean(probs8, top_k)[:, None] >= gates[None, :]  # (N, G)
+    values = top_k_mean(probs8, top_k)[:, None] if gate_values is None else np.asarray(gate_values, np.float64)
+    open_gate = values[:, None, :] >= gates[None, :, None]  # (N, G, K)
     empty_dice = (truth_area[:, 0, 0] == 0).astype(np.float64)  # what a gated-out mask scores
-    scores = np.where(open_gate[:, None, None, :], dice[..., None], empty_dice[:, None, None, None])
-    return scores.mean(0)
+    scores = np.where(open_gate[:, None, None], dice[..., None, None], empty_dice[:, None, None, None, None]).mean(0)
+    return scores[..., 0] if gate_values is None else scores
 
 
 def kept_areas(probs8: np.ndarray, truth: np.ndarray, levels: np.ndarray, min_areas: np.ndarray):

@@ -25,8 +25,9 @@ from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
-from cloudseg.model import CloudNet, build_model, prepare_for_training
-from cloudseg.postprocess import RULE_FILE, RULE_KEYS, TOP_K, postprocess, read_rule_file
+from cloudseg.model import CloudNet, build_model, forward_with_classes, load_weights, prepare_for_training
+from cloudseg.postprocess import (HEAD_GATES, RULE_DEFAULTS, RULE_FILE, RULE_KEYS, TOP_K, postprocess, quantize,
+                                  read_rule_file)
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
 
 log = logging.getLogger("cloudseg")
@@ -46,40 +47,51 @@ BLACK_LEVEL = 10  # a pixel whose channels are all at most this is no-data (JPEG
 
 @torch.no_grad()
 def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | None = None,
-                  tta: str = "none", zero_black: bool = False) -> torch.Tensor:
+                  tta: str = "none", zero_black: bool = False, with_classes: bool = False):
     """Sigmoid probabilities (N×4×H×W, float32) at the images' own size, averaged over the
     `tta` flips (each prediction flipped back first), and zero on black no-data pixels when
-    `zero_black`. Pad and crop live in the model. Validation, OOF and test use this alone."""
-    probs = torch.zeros((), device=images.device)
+    `zero_black`. Pad and crop live in the model. Validation, OOF and test use this alone.
+    `with_classes`: (probabilities, the classification head's probabilities N×4 averaged over
+    the same flips, or None for a model without a head)."""
+    probs, classes = torch.zeros((), device=images.device), torch.zeros((), device=images.device)
     for dims in TTA_FLIPS[tta]:
         with autocast(images.device, dtype):
-            logits = model(images.flip(dims) if dims else images)
+            logits, class_logits = forward_with_classes(model, images.flip(dims) if dims else images)
         probs = probs + (logits.float().sigmoid().flip(dims) if dims else logits.float().sigmoid())
+        classes = None if class_logits is None else classes + class_logits.float().sigmoid()
     probs = probs / len(TTA_FLIPS[tta])
     if zero_black:
         probs = probs.masked_fill(no_data(images), 0.0)
-    return probs
+    if not with_classes:
+        return probs
+    return probs, None if classes is None else classes / len(TTA_FLIPS[tta])
 
 
 class Probabilities(NamedTuple):
     native: torch.Tensor  # N×4×H×W at the images' own size (the validation loss is computed here)
     submission: torch.Tensor  # N×4×350×525: what is post-processed, scored and encoded
+    classes: torch.Tensor | None = None  # N×4: the classification heads' probabilities; None unless every model has one
 
 
 @torch.no_grad()
 def batch_probabilities(models: list[CloudNet], images: torch.Tensor, dtype: torch.dtype | None,
                         predict: PredictConfig) -> Probabilities:
     """The models' mean probabilities for a batch (each with `predict.tta` and, when
-    `predict.zero_black`, zero on no-data pixels), and the same resized to submission size.
-    Averaging is linear, so averaging before the resize equals averaging after it."""
-    native = ensemble_probs(models, images, dtype, predict.tta, predict.zero_black)
-    return Probabilities(native, resize_probs(native))
+    `predict.zero_black`, zero on no-data pixels), the same resized to submission size, and
+    the mean of their heads' probabilities (when each has a head). Averaging is linear, so
+    averaging before the resize equals averaging after it."""
+    native, classes = ensemble_probs(models, images, dtype, predict.tta, predict.zero_black)
+    return Probabilities(native, resize_probs(native), classes)
 
 
 def ensemble_probs(models: list[CloudNet], images: torch.Tensor, dtype: torch.dtype | None, tta: str = "none",
-                   zero_black: bool = False) -> torch.Tensor:
-    """The models' mean `predict_probs` at the images' own size."""
-    return sum(predict_probs(model, images, dtype, tta, zero_black) for model in models) / len(models)
+                   zero_black: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The models' mean `predict_probs` at the images' own size, and the mean of their heads'
+    probabilities (None unless every model has a head)."""
+    outputs = [predict_probs(model, images, dtype, tta, zero_black, with_classes=True) for model in models]
+    heads = [classes for _, classes in outputs]
+    classes = None if any(head is None for head in heads) else sum(heads) / len(models)
+    return sum(probs for probs, _ in outputs) / len(models), classes
 
 
 def no_data(images: torch.Tensor) -> torch.Tensor:
@@ -92,7 +104,7 @@ def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config
     state = load_checkpoint(path)
     config = from_dict(state["config"], source=f"{path} (saved config)")
     model = build_model(config.model, pretrained=False)
-    model.load_state_dict(state["model"])
+    load_weights(model, state["model"], path)
     prepare_for_training(model, config.train.channels_last, checkpointing="none")  # the memory format it trained in
     return model.to(device).eval(), config
 
@@ -119,9 +131,11 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     for batch in tqdm(make_loader(dataset, config.data, config.predict.batch_size, device), desc="predict",
                       unit="batch", disable=None):
         images = decode_batch(batch, device)["image"].to(device, non_blocking=True)
-        probs = resize_probs(ensemble_native(ensemble, images))
-        masks = postprocess(probs.cpu().numpy(), config.predict.threshold, config.predict.min_area, config.predict.gate,
-                            ensemble.top_k)
+        native, classes = ensemble_native(ensemble, images)
+        classes8 = None if classes is None else quantize(classes.cpu().numpy())
+        masks = postprocess(resize_probs(native).cpu().numpy(), config.predict.threshold, config.predict.min_area,
+                            config.predict.gate, ensemble.top_k, config.predict.gate_on, classes8,
+                            config.predict.force_label)
         for image_id, image_masks in zip(batch["image_id"], masks):
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
     path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)
@@ -155,24 +169,31 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
     top_k = TOP_K
     if rule_file:
         rule = read_rule_file(rule_file)
-        raw["predict"].update({key: rule[key] for key in RULE_KEYS})
+        raw["predict"].update({key: rule[key] for key in (*RULE_KEYS, *RULE_DEFAULTS)})
         top_k = rule.get("top_k", TOP_K)
     config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
     compiling = resolve_compile(config.predict.compile, device, "predict.compile")
     models = [model for model, _ in loaded]
+    if any(kind in HEAD_GATES for kind in config.predict.gate_on) and not all(model.has_head for model in models):
+        raise ValueError(f"{rule_file or 'predict.gate_on'}: the rule gates on the classification head "
+                         f"({', '.join(config.predict.gate_on)}), and "
+                         f"{'not every model has one' if len(models) > 1 else 'the model has none'} (model.cls_head); "
+                         "tune the rule for these checkpoints, or use --postprocess none")
     forwards = [compiled(model) for model in models] if compiling else models
     return Ensemble(config, top_k, device, autocast_dtype(config.train.precision, device), compiling, forwards)
 
 
-def ensemble_native(ensemble: Ensemble, images: torch.Tensor) -> torch.Tensor:
-    """The ensemble's probabilities (`ensemble_probs` with the config's predict.tta and zero_black)
-    for a batch of at most predict.batch_size images, padded to that size for a compiled model."""
+def ensemble_native(ensemble: Ensemble, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ensemble's probabilities and head probabilities (`ensemble_probs` with the config's
+    predict.tta and zero_black) for a batch of at most predict.batch_size images, padded to that
+    size for a compiled model."""
     count, predict_config = len(images), ensemble.config.predict
     if ensemble.compiling:
         images = padded(images, predict_config.batch_size)
     with compile_logged(ensemble.compiling, images.shape, what="prediction batches"):
-        native = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta, predict_config.zero_black)
-    return native[:count]
+        native, classes = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta,
+                                         predict_config.zero_black)
+    return native[:count], None if classes is None else classes[:count]
 
 
 def tuned_rule(checkpoints: list[str], postprocess_file: str | None) -> Path | None:

@@ -152,7 +152,7 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
     blender, current_row = StripBlender(grid.height, scene.width), 0
     for batch, pieces in zip(batches, prefetched(read, batches)):
         images = torch.from_numpy(np.stack([pixels for pixels, _ in pieces])).to(ensemble.device)
-        probs = ensemble_native(ensemble, images).float().cpu().numpy()
+        probs = ensemble_native(ensemble, images)[0].float().cpu().numpy()
         for (row, column), window_probs, (_, valid) in zip(batch, probs, pieces):
             if row != current_row:
                 yield from blender.release(grid.tops[row], RELEASE_ROWS)

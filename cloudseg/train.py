@@ -41,11 +41,13 @@ from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_determ
 from cloudseg.loss import per_image_loss
 from cloudseg.memory import resolve_checkpointing, resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
-from cloudseg.model import CloudNet, build_model, prepare_for_training, set_checkpointing, train_mode
+from cloudseg.model import (CloudNet, build_model, load_weights, prepare_for_training, set_checkpointing, train_mode,
+                            unwrapped)
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
-from cloudseg.postprocess import RULE_FILE, postprocess, quantize, write_rule_file
+from cloudseg.postprocess import RULE_FILE, TOP_K, postprocess, quantize, write_rule_file
 from cloudseg.predict import batch_probabilities
 from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
+from cloudseg.swa import average_checkpoints, chosen_epochs, epoch_path, recompute_norm_statistics
 from cloudseg.syncs import named_sync
 from cloudseg.task import LABELS
 from cloudseg.tune import RuleSearch, pooled_notes, search_rule
@@ -132,6 +134,8 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
             progress = None
         if distributed.is_main():
             run.board.close()
+            if config.train.swa:
+                average_into_best(run)
             write_best_oof(run, stop_requested)
     distributed.stop()
     return pd.DataFrame(run.history)
@@ -163,7 +167,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     elif distributed.is_main():
         create_run_dir(run_dir, config, train_set.skipped)
     step = StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight,
-                       resolve_compile(config.train.compile, device))
+                       resolve_compile(config.train.compile, device), config.train.cls_weight)
     run = assemble(config, run_dir, step, scheduler, (train_set, valid_set))
     run.history, run.ema = history, averaged(model, config.train.ema)
     run.peak_seconds = peak_seconds_per_image(config.model, train_set.image_size, device, distributed.world_size())
@@ -326,7 +330,7 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
     its shard and the per-image results are gathered, so every rank returns the same.
     `stop_requested` is asked before every batch (StopRequested), on all processes together."""
     model.eval()
-    losses, pair_dice, search = [], [], RuleSearch(config.predict)
+    losses, pair_dice, search = [], [], RuleSearch(config.predict, head=unwrapped(model).has_head)
     asked = None if stop_requested is None else lambda: distributed.total(stop_requested(), device)
     largest_shard = math.ceil(len(loader.dataset) / distributed.world_size())
     batches = until_stopped(loader, asked, count=math.ceil(largest_shard / loader.batch_size))
@@ -336,9 +340,11 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
         probs = batch_probabilities([model], images, dtype, config.predict)
         losses += per_image_loss(torch.logit(probs.native, eps=1e-6), masks, config.train.dice_weight).tolist()
         probs8, truth = quantize(probs.submission.cpu().numpy()), resize_masks(masks).cpu().numpy()
-        pair_dice.append(dice(postprocess(probs8, config.predict.threshold, config.predict.min_area,
-                                          config.predict.gate), truth))
-        search.add(probs8, truth)
+        classes8 = None if probs.classes is None else quantize(probs.classes.cpu().numpy())
+        rule = config.predict
+        pair_dice.append(dice(postprocess(probs8, rule.threshold, rule.min_area, rule.gate, TOP_K, rule.gate_on, classes8,
+                                          rule.force_label), truth))
+        search.add(probs8, truth, classes8)
     losses, pair_dice, (search, *others) = (distributed.gathered(x) for x in (losses, pair_dice, [search]))
     search.merge(others)
     summary = summarize(np.concatenate(pair_dice))
@@ -399,6 +405,10 @@ def end_epoch(run: Run, epoch: int, progress: Progress, validation: dict, rng: d
     save_checkpoint(run.dir / "last.pt", state)
     if best_epoch(run.history) == len(run.history) - 1:
         save_checkpoint(run.dir / "best.pt", state)
+    if run.config.train.swa or run.config.train.save_epochs:  # the weights that train, not the EMA's
+        epoch_path(run.dir, epoch + 1).parent.mkdir(exist_ok=True)
+        save_checkpoint(epoch_path(run.dir, epoch + 1), {**{k: state[k] for k in ("config", "epoch", "step")},
+                                                         "model": run.model.state_dict(), "metrics": run.history})
 
 
 def best_epoch(history: list[dict]) -> int:
@@ -408,25 +418,44 @@ def best_epoch(history: list[dict]) -> int:
     return len(scores) - 1 - scores[::-1].index(max(scores))
 
 
+def average_into_best(run: Run) -> None:
+    """train.swa: best.pt's model becomes the average of the chosen epochs' weights (swa.py),
+    BatchNorm recomputed over the training folds; out-of-fold prediction and the tuned rule
+    then come from it."""
+    config = run.config.train
+    epochs = chosen_epochs(run.history, config.swa, config.swa_from)
+    paths = [epoch_path(run.dir, epoch) for epoch in epochs]
+    if missing := [str(path) for path in paths if not path.is_file()]:
+        raise ValueError(f"train.swa={config.swa} needs the weights of epochs {epochs}; missing: {', '.join(missing)}")
+    model, _, _ = average_checkpoints(paths)
+    images = recompute_norm_statistics(model, run.config, run.step.device)
+    state = load_checkpoint(run.dir / "best.pt")
+    state.update(model=model.state_dict(), swa={"epochs": epochs, "bn_images": images})
+    save_checkpoint(run.dir / "best.pt", state)
+    log.info("train.swa: best.pt holds the average of epochs %s, BatchNorm over %d training images", epochs, images)
+
+
 def write_best_oof(run: Run, stop_requested=None) -> None:
     """The held-out fold's probabilities from best.pt, for `cloudseg tune` (oof.npz). A stop
     asked for here leaves the finished run to `--resume`, which writes only this."""
-    run.model.load_state_dict(load_checkpoint(run.dir / "best.pt")["model"])
+    load_weights(run.model, load_checkpoint(run.dir / "best.pt")["model"], run.dir / "best.pt")
     try:
-        ids, probs8, truth = predict_oof(run.model, run.config, run.step.device, stop_requested=stop_requested)
+        ids, probs8, truth, classes8 = predict_oof(run.model, run.config, run.step.device,
+                                                   stop_requested=stop_requested)
     except StopRequested:
         raise Interrupted(f"stopped while writing {OOF_FILE} (training is done); "
                           f"continue with: cloudseg train --resume {run.dir}") from None
-    write_oof(run.dir / OOF_FILE, ids, probs8, truth)
+    write_oof(run.dir / OOF_FILE, ids, probs8, truth, classes8)
     log.info("wrote %s", run.dir / OOF_FILE)
-    tune_run(run.dir, probs8, truth, run.config)
+    tune_run(run.dir, probs8, truth, run.config, classes8)
 
 
-def tune_run(run_dir: Path, probs8: np.ndarray, truth: np.ndarray, config: Config) -> None:
+def tune_run(run_dir: Path, probs8: np.ndarray, truth: np.ndarray, config: Config,
+             classes8: np.ndarray | None = None) -> None:
     """Every run tunes its own post-processing on its out-of-fold probabilities (the search of
     `cloudseg tune`, guarded against a small fold) into RUN/postprocess.json, which
     `cloudseg predict` applies by default."""
-    result = search_rule(probs8, truth, config.predict)
+    result = search_rule(probs8, truth, config.predict, classes8=classes8)
     write_rule_file(result, run_dir / RULE_FILE)
     before, after = result["cv_dice"]["before"], result["cv_dice"]["after"]
     log.info("tuned the post-processing on %d out-of-fold images: CV Dice %.4f -> %.4f (%s); wrote %s",

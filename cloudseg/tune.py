@@ -14,7 +14,9 @@ import numpy as np
 
 from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
-from cloudseg.postprocess import GATES, MIN_AREAS, RULE_FILE, RULE_KEYS, THRESHOLDS, TOP_K, grid_scores, write_rule_file
+from cloudseg.metrics import dice
+from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RULE_FILE, RULE_KEYS, THRESHOLDS, TOP_K,
+                                  all_gate_scores, grid_scores, postprocess, presence_scores, write_rule_file)
 from cloudseg.task import LABELS
 from cloudseg.units import human_duration
 
@@ -31,10 +33,10 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     The runs' own rule (predict.* in the first run's config.yaml) is part of the grid, so it is
     scored exactly and wins where it is best; see `RuleSearch` for the guard against a small fold.
     """
-    ids, probs, truth = pool([Path(r) for r in run_dirs])
+    ids, probs, truth, classes = pool([Path(r) for r in run_dirs])
     current = load_config(Path(run_dirs[0]) / "config.yaml").predict
     started = time.perf_counter()
-    result = search_rule(probs, truth, current)
+    result = search_rule(probs, truth, current, classes8=classes)
     result.update(runs=[str(r) for r in run_dirs], seconds=time.perf_counter() - started)
     out = Path(out) if out else Path(run_dirs[0]).parent / RULE_FILE
     write_rule_file(result, out)
@@ -43,16 +45,42 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
 
 
 def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP_K,
-                prior_images: float = PRIOR_IMAGES) -> dict:
-    """The best rule per class on these images, with its mean Dice before (current rule) and after.
+                prior_images: float = PRIOR_IMAGES, classes8: np.ndarray | None = None) -> dict:
+    """The best rule per class on these images, with its mean Dice before (current rule) and after,
+    then the at-least-one-label option on top of it (`search_force_label`, when
+    `force_label_search`).
 
     probs8: (N, 4, H, W) uint8 probabilities at submission size; truth: the (N, 4, H, W) masks
-    (bool or integer); current: the rule in force, per-class `threshold`, `min_area`, `gate`
-    (`config.predict` or a mapping). See `RuleSearch` for the guard and the result.
+    (bool or integer); current: the rule in force, per-class `threshold`, `min_area`, `gate`,
+    `gate_on`, and `gate_search` (`config.predict` or a mapping); classes8: the head's (N, 4)
+    uint8 probabilities, None without a head. See `RuleSearch` for the guard and the result.
     """
-    search = RuleSearch(current, top_k, prior_images)
-    search.add(probs8, truth)
-    return search.result()
+    search = RuleSearch(current, top_k, prior_images, head=classes8 is not None)
+    search.add(probs8, truth, classes8)
+    result = search.result()
+    if _rule_value(current, "force_label_search", True):
+        result["force_label"], result["cv_dice"]["forced"] = search_force_label(probs8, truth, result, classes8, top_k)
+    return result
+
+
+def search_force_label(probs8, truth, rule: dict, classes8=None, top_k: int = TOP_K, thresholds=THRESHOLDS):
+    """The threshold of the at-least-one-label option (postprocess.force_one_label) that most raises
+    the mean Dice over these images under `rule`, or None when none raises it; and that mean Dice
+    ({"mean": ..., label: ...}). Only images the rule leaves empty change, each in one class."""
+    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k, rule["gate_on"], classes8)
+    pair = np.asarray(dice(masks, truth))
+    empty = np.flatnonzero(~masks.any(axis=(1, 2, 3)))
+    gains = np.zeros(len(thresholds))
+    if len(empty):
+        chosen = presence_scores(probs8[empty], None if classes8 is None else classes8[empty], top_k).argmax(1)
+        forced_probs, forced_truth = probs8[empty, chosen], truth[empty, chosen]
+        gains = np.array([(np.asarray(dice(forced_probs > t * 255, forced_truth)) - pair[empty, chosen]).sum()
+                          for t in thresholds])
+    best = int(np.argmax(gains))
+    if gains[best] <= 0:
+        return None, {"mean": float(pair.mean()), **dict(zip(LABELS, pair.mean(0).tolist()))}
+    pair[empty, chosen] = np.asarray(dice(forced_probs > thresholds[best] * 255, forced_truth))
+    return float(thresholds[best]), {"mean": float(pair.mean()), **dict(zip(LABELS, pair.mean(0).tolist()))}
 
 
 class RuleSearch:
@@ -64,23 +92,33 @@ class RuleSearch:
     classes over the same grid, the pooled share falling as its evidence (the smaller of its
     images with and without it) grows; see PRIOR_IMAGES. A class absent from the fold (or in
     every image) has no evidence about emptying masks, so it takes the pooled rule instead of
-    "always empty". Ties go to the rule that removes least. `result()` gives the rule under
-    RULE_KEYS, `top_k`, `images`, `cv_dice` {before (current rule), after: {mean, label: own
+    "always empty". Ties go to the rule that removes least, and gates on the top-k mean before
+    the head's. The gate scores searched are `gate_search` (those needing a head only with
+    `head`) and the current rule's `gate_on`. `result()` gives the rule under RULE_KEYS and
+    `gate_on`, `top_k`, `images`, `cv_dice` {before (current rule), after: {mean, label: own
     Dice}} and `pooled_weight` {label: the pooled share of its choice}.
     """
 
-    def __init__(self, current, top_k: int = TOP_K, prior_images: float = PRIOR_IMAGES):
-        self.current = [[_rule_value(current, key)[c] for key in RULE_KEYS] for c in range(len(LABELS))]
+    def __init__(self, current, top_k: int = TOP_K, prior_images: float = PRIOR_IMAGES, head: bool = False):
+        gate_on = list(_rule_value(current, "gate_on", ["top_k"] * len(LABELS)))
+        if not head and any(kind in HEAD_GATES for kind in gate_on):
+            raise ValueError(f"the rule's gate_on {gate_on} names the classification head's gate, and this model "
+                             "has no head (model.cls_head)")
+        searched = set(_rule_value(current, "gate_search", ["top_k"])) | set(gate_on)
+        self.kinds = [kind for kind in GATE_SCORES if kind in searched and (head or kind not in HEAD_GATES)]
+        self.current = [[_rule_value(current, key)[c] for key in RULE_KEYS] + [gate_on[c]] for c in range(len(LABELS))]
         # One grid for every class, holding each class's current rule, so classes can be pooled.
         self.grid = [sorted(set(values) | {rule[k] for rule in self.current})
-                     for k, values in enumerate((THRESHOLDS, MIN_AREAS, GATES))]
+                     for k, values in enumerate((THRESHOLDS, MIN_AREAS, GATES))] + [self.kinds]
         self.top_k, self.prior_images = top_k, prior_images
         self.sums = np.zeros((len(LABELS), *map(len, self.grid)))
         self.present, self.images = np.zeros(len(LABELS), dtype=np.int64), 0
 
-    def add(self, probs8: np.ndarray, truth: np.ndarray) -> None:
+    def add(self, probs8: np.ndarray, truth: np.ndarray, classes8: np.ndarray | None = None) -> None:
+        values = all_gate_scores(probs8, classes8, self.top_k, self.kinds)  # {kind: (N, 4)}
         for c in range(len(LABELS)):
-            self.sums[c] += grid_scores(probs8[:, c], truth[:, c], *self.grid, top_k=self.top_k) * len(probs8)
+            kinds = np.stack([values[kind][:, c] for kind in self.kinds], axis=1)
+            self.sums[c] += grid_scores(probs8[:, c], truth[:, c], *self.grid[:3], gate_values=kinds) * len(probs8)
             self.present[c] += int(np.count_nonzero(np.asarray(truth[:, c]).any(axis=(-2, -1))))
         self.images += len(probs8)
 
@@ -93,7 +131,7 @@ class RuleSearch:
     def result(self) -> dict:
         scores = self.sums / max(self.images, 1)
         pooled = scores.mean(axis=0)
-        rule = {key: [] for key in RULE_KEYS}
+        rule = {key: [] for key in (*RULE_KEYS, "gate_on")}
         before, after, weights = {}, {}, {}
         for c, label in enumerate(LABELS):
             evidence = min(int(self.present[c]), self.images - int(self.present[c]))
@@ -103,7 +141,7 @@ class RuleSearch:
             before[label], after[label] = float(scores[c][current]), float(scores[c][best])
             for key, values, index in zip(rule, self.grid, best):
                 rule[key].append(values[index])
-        return {**rule, "top_k": self.top_k, "images": self.images,
+        return {**rule, "top_k": self.top_k, "images": self.images, "force_label": None,
                 "cv_dice": {"before": {"mean": float(np.mean(list(before.values()))), **before},
                             "after": {"mean": float(np.mean(list(after.values()))), **after}},
                 "images_with": dict(zip(LABELS, self.present.tolist())), "pooled_weight": weights}
@@ -120,26 +158,33 @@ def pooled_weight(evidence: int, prior_images: float) -> float:
     return prior_images / (evidence + prior_images) if prior_images > 0 else 0.0
 
 
-def least_aggressive_best(scores: np.ndarray) -> tuple[int, int, int]:
-    """Index (threshold, min area, gate) of the best score in grids sorted ascending; among exact
-    ties, the rule that removes least: lowest gate, then smallest minimum area, then lowest threshold."""
+def least_aggressive_best(scores: np.ndarray) -> tuple[int, ...]:
+    """Index (threshold, min area, gate[, gate score]) of the best score in grids sorted ascending;
+    among exact ties, the first gate score (the top-k mean, needing no head), then the rule that
+    removes least: lowest gate, then smallest minimum area, then lowest threshold."""
     ties = np.argwhere(scores == scores.max())
-    t, a, g = min(ties.tolist(), key=lambda index: index[::-1])
-    return t, a, g
+    return tuple(min(ties.tolist(), key=lambda index: index[::-1]))
 
 
-def _rule_value(current, key: str):
-    return current[key] if isinstance(current, Mapping) else getattr(current, key)
+_MISSING = object()
 
 
-def pool(run_dirs: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The runs' OOF files concatenated; an image held out by two runs is an error."""
-    parts = [read_oof(run / OOF_FILE) for run in run_dirs]
+def _rule_value(current, key: str, default=_MISSING):
+    if isinstance(current, Mapping):
+        return current[key] if default is _MISSING else current.get(key, default)
+    return getattr(current, key) if default is _MISSING else getattr(current, key, default)
+
+
+def pool(run_dirs: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The runs' OOF files concatenated (head probabilities: None unless every run has them); an
+    image held out by two runs is an error."""
+    parts = [read_oof(run / OOF_FILE, with_classes=True) for run in run_dirs]
     ids = np.concatenate([p[0] for p in parts])
     unique, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
         raise ValueError(f"image {unique[counts > 1][0]} is out-of-fold in more than one run; pool runs of different folds")
-    return ids, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+    classes = None if any(p[3] is None for p in parts) else np.concatenate([p[3] for p in parts])
+    return ids, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]), classes
 
 
 NOTE_WEIGHT = 0.05  # a pooled share worth a line in the table and the training log
@@ -156,11 +201,15 @@ def pooled_notes(result: dict) -> list[str]:
 
 def table(result: dict) -> str:
     """The before/after table that `cloudseg tune` prints."""
-    lines = [f"{'class':<8}{'threshold':>10}{'min_area':>10}{'gate':>6}{'CV before':>11}{'CV after':>10}"]
+    lines = [f"{'class':<8}{'threshold':>10}{'min_area':>10}{'gate':>6}{'gate on':>8}{'CV before':>11}{'CV after':>10}"]
     for c, label in enumerate(LABELS):
         lines.append(f"{label:<8}{result['threshold'][c]:>10.2f}{result['min_area'][c]:>10}{result['gate'][c]:>6.2f}"
-                     f"{result['cv_dice']['before'][label]:>11.4f}{result['cv_dice']['after'][label]:>10.4f}")
-    lines.append(f"{'mean':<34}{result['cv_dice']['before']['mean']:>11.4f}{result['cv_dice']['after']['mean']:>10.4f}")
+                     f"{result['gate_on'][c]:>8}{result['cv_dice']['before'][label]:>11.4f}"
+                     f"{result['cv_dice']['after'][label]:>10.4f}")
+    lines.append(f"{'mean':<42}{result['cv_dice']['before']['mean']:>11.4f}{result['cv_dice']['after']['mean']:>10.4f}")
+    if result.get("force_label") is not None:
+        lines.append(f"at least one label per image: the likeliest class above {result['force_label']:.2f} where the "
+                     f"rule leaves none; CV {result['cv_dice']['forced']['mean']:.4f}")
     lines += pooled_notes(result)
     lines.append(f"{result['images']} out-of-fold images from {len(result['runs'])} run(s), searched in "
                  f"{human_duration(result['seconds'])}; wrote {result['path']}")

@@ -28,6 +28,7 @@ TINY = [
     "data.num_workers=0", "data.n_folds=3", "model.arch=unet", "model.decoder_channels=[16,8,8,8,8]",
     "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1", "train.device=cpu",
     "train.compile=false",  # on a CUDA machine auto would compile every test's run; tests/test_compile.py asks for it
+    "model.cls_head=false",  # the tests of the head (test_head.py, the DDP test) ask for it
 ]
 
 

@@ -15,6 +15,7 @@ from cloudseg import train as train_module
 from cloudseg.config import ModelConfig, load_config
 from cloudseg.hardware import NO_DETERMINISTIC_CUDA_BACKWARD, nondeterministic_cuda_backward, require_deterministic_kernels
 from cloudseg.model import CloudNet, build_model
+from cloudseg.task import LABELS
 from tests.conftest import TINY, TINY_SHAPE
 from tests.fake_cuda import H100
 
@@ -23,21 +24,24 @@ ARCHS = typing.get_args(ModelConfig.model_fields["arch"].annotation)  # every mo
 TINY_DECODERS = {"fpn": "[32,32]"}  # [pyramid, segmentation]; the UNets take five stages
 
 
-def tiny_model(arch: str, encoder: str = "mobilenet_v2") -> CloudNet:
+def tiny_model(arch: str, encoder: str = "mobilenet_v2", head: bool = False) -> CloudNet:
     config = load_config("configs/demo.yaml", [*TINY, f"model.arch={arch}", f"model.encoder={encoder}",
-                                               f"model.decoder_channels={TINY_DECODERS.get(arch, '[16,8,8,8,8]')}"])
+                                               f"model.decoder_channels={TINY_DECODERS.get(arch, '[16,8,8,8,8]')}",
+                                               f"model.cls_head={str(head).lower()}"])
     return build_model(config.model, pretrained=False)
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["no head", "head"])  # model.cls_head: on in both configs
 @pytest.mark.parametrize("encoder", ["mobilenet_v2", "resnet34"])  # the demo's and configs/fullres.yaml's
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_architecture_has_a_deterministic_cuda_backward(arch, encoder):
+def test_every_architecture_has_a_deterministic_cuda_backward(arch, encoder, head):
     """The autograd graph of each model.arch, as a CUDA run under train.deterministic builds it,
     holds no operation that PyTorch's docs list as raising in deterministic mode on CUDA. Would
     catch: a new architecture (or an smp or torch upgrade) with such an operation, which would
     crash at the first backward of a deterministic GPU run; the arch list is the config's own,
     so a new arch is walked without editing this test. Device: fake CUDA tensors on the CPU."""
-    model = tiny_model(arch, encoder).eval()
+    model = tiny_model(arch, encoder, head).eval()
+    assert model.has_head == head
     assert nondeterministic_cuda_backward(model, TINY_SHAPE) == []
     assert not model.training and not torch.are_deterministic_algorithms_enabled()  # left as it was
     assert all(not isinstance(p, torch._subclasses.FakeTensor) for p in model.parameters())
@@ -53,6 +57,18 @@ def test_the_walk_finds_fpn_s_bilinear_upsampling_where_interpolate_takes_no_det
     assert nondeterministic_cuda_backward(model, TINY_SHAPE, device="cpu") == [
         "torch.nn.functional.interpolate (bilinear)"]
     assert nondeterministic_cuda_backward(model, TINY_SHAPE) == []
+
+
+def test_the_walk_covers_the_classification_head():
+    """The head is a second output: its graph must be walked too. A head planted with a listed
+    operation (adaptive pooling to 2×2, whose CUDA backward has no deterministic kernel) must be
+    found. Would catch: a walk from the mask output alone (smp's own head pools to 1×1, which
+    PyTorch computes as a mean, so only a planted head shows it). Device: fake CUDA tensors."""
+    model = tiny_model("unet", head=True)
+    channels = [m for m in model.unet.classification_head.modules() if isinstance(m, nn.Linear)][0].in_features
+    model.unet.classification_head = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                                                   nn.Linear(4 * channels, len(LABELS)))
+    assert nondeterministic_cuda_backward(model, TINY_SHAPE) == ["torch.nn.AdaptiveAvgPool2d"]
 
 
 # One op per listed autograd node, on a small CPU tensor that requires grad.

@@ -74,13 +74,16 @@ def test_accumulation_keeps_the_effective_batch_across_processes():
         config.train.accumulation_for(3)
 
 
-def test_two_processes_train_the_same_parameters_and_statistics_as_one(data_copy, tmp_path):
+@pytest.mark.parametrize("head", [False, True], ids=["no-head", "cls-head"])
+def test_two_processes_train_the_same_parameters_and_statistics_as_one(data_copy, tmp_path, head):
     """Would catch: gradients summed instead of averaged, a window cut differently on the
     ranks, BatchNorm statistics left per rank (each rank's own micro-batches) or copied from
-    rank 0, and validation scoring each shard with a different model. Both sides run in
-    float64: in float32 the other order of summing four micro-batch gradients flips the sign
-    of Adam's first step on near-zero gradients, and the runs drift apart by about 1%."""
-    options = [f"data.dir={data_copy}", *OPTIONS]
+    rank 0, and validation scoring each shard with a different model; with model.cls_head, the
+    head's loss weighted otherwise on several processes (the last window's blank image
+    included). Both sides run in float64: in float32 the other order of summing four
+    micro-batch gradients flips the sign of Adam's first step on near-zero gradients, and the
+    runs drift apart by about 1%."""
+    options = [f"data.dir={data_copy}", *OPTIONS, f"model.cls_head={str(head).lower()}"]
     train_one_process(load_config("configs/demo.yaml", options), tmp_path / "one")
     torchrun_train(tmp_path / "two", options)
     assert "2 process(es) x 2 micro-batches of 2 per step" in (tmp_path / "two/train.log").read_text()
@@ -88,11 +91,14 @@ def test_two_processes_train_the_same_parameters_and_statistics_as_one(data_copy
     one, two = load_checkpoint(tmp_path / "one/last.pt"), load_checkpoint(tmp_path / "two/last.pt")
     assert one["step"] == two["step"] == 6  # 2 epochs of ceil(18 / 8) windows
     assert set(one["model"]) == set(two["model"])
+    assert any(name.startswith("unet.classification_head.") for name in one["model"]) is head
     statistics = [name for name in one["model"] if name.rsplit(".", 1)[-1] in NORM_STATISTICS]
     assert statistics  # the demo model has BatchNorm: its buffers are compared too
     for name, tensor in one["model"].items():
         assert tensor.dtype in (torch.float64, torch.int64), name
-        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-9, atol=1e-12, msg=name)
+        # With the head, running means near 0 come out ~1e-11 apart (float64 sums in another
+        # order); the planted bugs below move parameters by more than 1e-4.
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-9, atol=1e-10 if head else 1e-12, msg=name)
     a, b = pd.read_csv(tmp_path / "one/metrics.csv"), pd.read_csv(tmp_path / "two/metrics.csv")
     assert b["train_loss"].tolist() == pytest.approx(a["train_loss"].tolist(), rel=1e-9)
     assert b["dice"].tolist() == pytest.approx(a["dice"].tolist(), abs=1e-9)  # validation saw one model
