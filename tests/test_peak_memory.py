@@ -4,7 +4,6 @@ import math
 import shutil
 
 import pandas as pd
-import pytest
 import torch
 
 from cloudseg import train as train_module
