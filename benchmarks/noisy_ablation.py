@@ -165,8 +165,9 @@ def plain_model(run: Path, config, device):
 
 
 def ema_model(run: Path, config, device, recompute: bool):
-    """The run's best.pt (train.ema: the average, its BatchNorm statistics averaged too), or the
-    same weights with BatchNorm measured again over the training images, as SWA does."""
+    """The run's best.pt (train.ema: the average), or the same weights with BatchNorm measured
+    again over the training images, as SWA does. Since train.ema measures them itself the two
+    are the same; runs of older code saved statistics averaged with the weights."""
     model = load_model(run / "best.pt", device)[0]
     if recompute:
         recompute_norm_statistics(model, config, device)

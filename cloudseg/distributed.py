@@ -116,6 +116,13 @@ def shard(size: int) -> list[int]:
     return list(range(rank(), size, world_size()))
 
 
+def shard_batches(size: int, batch_size: int) -> list[int]:
+    """This process's indices of a `size`-item set read in batches of `batch_size`: every
+    world_size-th whole batch of the one-process order, so the processes see its batches."""
+    starts = range(rank() * batch_size, size, world_size() * batch_size)
+    return [index for start in starts for index in range(start, min(start + batch_size, size))]
+
+
 def launch(argv: list[str]) -> int:
     """torchrun with `argv` (`make train NPROC=N`). A process that fails has printed its own
     error (cloudseg's one line); torchrun's traceback after it is replaced by one line."""

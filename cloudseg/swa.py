@@ -8,9 +8,11 @@ BatchNorm layer's input changes with the weights before it. So the parameters ar
 (`torch.optim.swa_utils.AveragedModel`) and the statistics measured again
 (`torch.optim.swa_utils.update_bn`): one pass over the training folds, without augmentation,
 in micro-batches as training saw them, each layer's statistics the equal-weight mean over the
-micro-batches. It runs in one process over every training image, so it does not depend on how
-many processes trained. With `model.norm: frozen` the encoder's statistics are kept (they are
-the pretrained ones, frozen on purpose).
+micro-batches. `cloudseg swa` and `train.swa` run it in one process over every training image;
+`train.ema` runs it before each validation with the micro-batches shared among the processes,
+whose per-layer means are then pooled, weighted by their micro-batches: the mean over the same
+micro-batches as one process would take. With `model.norm: frozen` the encoder's statistics
+are kept (they are the pretrained ones, frozen on purpose).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.swa_utils import AveragedModel, update_bn
 
+from cloudseg import distributed
 from cloudseg.checkpoint import load_checkpoint, save_checkpoint
 from cloudseg.config import Config, from_dict
 from cloudseg.data import CloudDataset, fold_ids, make_loader
@@ -70,22 +73,38 @@ def average_checkpoints(paths: list[str | Path]) -> tuple[CloudNet, Config, dict
 
 
 @torch.no_grad()
-def recompute_norm_statistics(model: CloudNet, config: Config, device: torch.device) -> int:
+def recompute_norm_statistics(model: CloudNet, config: Config, device: torch.device, sharded: bool = False) -> int:
     """Each BatchNorm layer's running statistics measured again over the training folds of
-    `config` (no augmentation, micro-batches of train.micro_batch); returns the images seen."""
+    `config` (no augmentation, micro-batches of train.micro_batch); returns the images seen.
+    `sharded`: every process of a distributed run calls it, each on its share of the images."""
     frozen = model.unet.encoder if config.model.norm == "frozen" else None
     kept = norm_statistics(frozen) if frozen is not None else {}
     train_ids, _ = fold_ids(config.data, config.seed)
     dataset = CloudDataset(config.data.dir, "train", train_ids, None, config.data.image_size,
                            config.data.on_bad_sample, decode="cpu")
     micro_batch = config.train.micro_batch if isinstance(config.train.micro_batch, int) else 1
-    loader = make_loader(dataset, config.data, micro_batch, device)
+    shard = distributed.shard_batches(len(dataset), micro_batch) if sharded else None
+    loader = make_loader(dataset, config.data, micro_batch, device, shard)
     model.to(device)
-    if any(isinstance(m, _BatchNorm) for m in model.modules()):
+    norms = [module for module in model.modules() if isinstance(module, _BatchNorm)]
+    if norms:
         update_bn((batch["image"] for batch in loader), model, device)
+        if sharded:
+            pool_ranks(norms)
     if frozen is not None:
         restore_norm_statistics(frozen, kept)
     return len(dataset)
+
+
+def pool_ranks(norms: list[_BatchNorm]) -> None:
+    """Each layer's statistics as the mean over every process's micro-batches: `update_bn` left
+    each process the mean over its own, and their count in num_batches_tracked."""
+    for norm in norms:
+        count = norm.num_batches_tracked.to(norm.running_mean.dtype)
+        total = distributed.summed(count.clone())
+        for stat in (norm.running_mean, norm.running_var):
+            stat.copy_(distributed.summed(stat * count) / total)
+        norm.num_batches_tracked.copy_(total)
 
 
 def swa(paths: list[str | Path], out: str | Path, device: torch.device = torch.device("cpu")) -> Path:

@@ -125,6 +125,8 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
             rng = every_rank_rng_states(run.step.device)  # as the epoch's windows left them, before validation draws
             if stopped:
                 save_and_stop(run, epoch, progress, rng, f"after window {progress.windows}")
+            if run.ema is not None:  # the average's own BatchNorm statistics (see `averaged`)
+                recompute_norm_statistics(run.ema.module, config, run.step.device, sharded=True)
             try:
                 validation = validate(evaluated(run), run.valid_loader, run.step.device, run.step.dtype, config,
                                       progress.skipped_samples, stop_requested=stop_requested)
@@ -193,12 +195,15 @@ def training_model(config: Config, image_size, device: torch.device) -> CloudNet
 
 
 def averaged(model: CloudNet, decay: float | None) -> AveragedModel | None:
-    """train.ema: PyTorch's exponential moving average of the weights. use_buffers: the
-    BatchNorm running statistics are averaged with them, so the averaged weights are never
-    paired with statistics that only the last weights produced."""
+    """train.ema: PyTorch's exponential moving average of the weights. Not of the BatchNorm
+    statistics: an average of weights makes other activations than the weights it averages, so
+    averaged statistics do not fit it (on the demo's noisy datasets the average scored at the
+    all-empty level with them; BENCHMARKS.md). They are measured again over the training images
+    before each validation, as SWA does (`recompute_norm_statistics`); in between they follow
+    the weights that train (use_buffers=False copies them at each update)."""
     if decay is None:
         return None
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)
 
 
 def restore_ema(state: dict, path: Path, model: CloudNet, ema: AveragedModel) -> None:

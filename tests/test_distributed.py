@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
+from cloudseg import distributed
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.config import load_config
 from cloudseg.data import EpochSampler
@@ -104,6 +105,30 @@ def test_two_processes_train_the_same_parameters_and_statistics_as_one(data_copy
     assert b["dice"].tolist() == pytest.approx(a["dice"].tolist(), abs=1e-9)  # validation saw one model
     assert b["valid_loss"].tolist() == pytest.approx(a["valid_loss"].tolist(), rel=1e-6)
     assert {"best.pt", "oof.npz", "config.yaml"} <= {p.name for p in (tmp_path / "two").iterdir()}
+
+
+def test_two_processes_measure_the_ema_s_batchnorm_statistics_as_one(data_copy, tmp_path):
+    """train.ema measures the average's statistics again before each validation, its 9 training
+    micro-batches shared by two processes (5 and 4) and pooled. Would catch: each rank keeping
+    the statistics of its own micro-batches, the ranks' means pooled unweighted (5 against 4
+    micro-batches), or the images dealt one by one (other micro-batches than one process's)."""
+    options = [f"data.dir={data_copy}", *OPTIONS, "train.epochs=1", "train.ema=0.5"]
+    train_one_process(load_config("configs/demo.yaml", options), tmp_path / "one")
+    torchrun_train(tmp_path / "two", options)
+    one, two = load_checkpoint(tmp_path / "one/last.pt")["model"], load_checkpoint(tmp_path / "two/last.pt")["model"]
+    statistics = [name for name in one if name.rsplit(".", 1)[-1] in NORM_STATISTICS]
+    assert statistics
+    for name in statistics:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("rank, expected", [(0, [0, 1, 2, 6, 7, 8]), (1, [3, 4, 5, 9])])
+def test_whole_batches_are_dealt_to_the_processes_in_turn(monkeypatch, rank, expected):
+    """10 items in batches of 3 over 2 processes: batches [0-2], [3-5], [6-8], [9] go to ranks
+    0, 1, 0, 1. Would catch: items dealt one by one, or a last short batch lost."""
+    monkeypatch.setattr(distributed, "rank", lambda: rank)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    assert distributed.shard_batches(10, 3) == expected
 
 
 def test_the_test_can_fail_syncing_the_first_micro_batch_instead_of_the_last(data_copy, tmp_path):

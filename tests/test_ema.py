@@ -9,6 +9,8 @@ from torch.optim.swa_utils import AveragedModel
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
+from cloudseg.data import CloudDataset, fold_ids
+from cloudseg.model import build_model
 from cloudseg.train import Interrupted, train
 from tests.conftest import TINY, signal_during
 
@@ -23,7 +25,7 @@ def test_the_average_is_of_the_weights_after_each_step_and_is_what_best_pt_holds
     real_update = AveragedModel.update_parameters
 
     def recording(self, model):
-        seen.append({k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()})
+        seen.append({k: v.detach().clone() for k, v in model.named_parameters()})
         real_update(self, model)
 
     monkeypatch.setattr(AveragedModel, "update_parameters", recording)
@@ -38,6 +40,29 @@ def test_the_average_is_of_the_weights_after_each_step_and_is_what_best_pt_holds
         torch.testing.assert_close(last["training_model"][name], seen[-1][name], rtol=0, atol=0, msg=name)
     head = "unet.segmentation_head.0.weight"
     assert not torch.equal(last["model"][head], last["training_model"][head])
+
+
+def test_the_average_s_batchnorm_statistics_are_measured_with_its_own_weights(data_copy, tmp_path):
+    """The saved average's first BatchNorm running mean is the mean of that layer's input over
+    the training images under the averaged weights (a hook computes it here), not the average of
+    the running means nor the training model's. Would catch: statistics averaged with the
+    weights (`use_buffers=True`: on the demo's noisy datasets such a model scored at the
+    all-empty level), copied from the weights that train, or measured before the last update."""
+    config = load_config("configs/demo.yaml", [f"data.dir={data_copy}", *OPTIONS])
+    train(config, tmp_path / "run")
+    last = load_checkpoint(tmp_path / "run/last.pt")
+    model = build_model(config.model, pretrained=False)
+    model.load_state_dict(last["model"])
+    name, norm = next((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))  # the stem's
+    inputs = []
+    handle = norm.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
+    dataset = CloudDataset(data_copy, "train", fold_ids(config.data, config.seed)[0])
+    with torch.no_grad():
+        model.eval()(torch.stack([dataset[i]["image"] for i in range(len(dataset))]))
+    handle.remove()
+    expected = inputs[0].mean((0, 2, 3))
+    torch.testing.assert_close(norm.running_mean, expected, rtol=1e-4, atol=1e-5)
+    assert (last["training_model"][f"{name}.running_mean"] - expected).abs().max() > 1e-3
 
 
 def test_resume_mid_epoch_restores_the_average_exactly(data_copy, tmp_path, wrap_built_models):
