@@ -16,7 +16,7 @@ and scored on the test images, beside the all-empty submission and the box oracl
 
 Usage: python benchmarks/noisy_ablation.py train --out DIR [--variants noisy] [--seed-offsets 0,100]
        [--n-train 64] [--n-test 48] [--epochs 6]
-       python benchmarks/noisy_ablation.py evaluate --out DIR [--json FILE]
+       python benchmarks/noisy_ablation.py evaluate --out DIR [--json FILE] [--models plain,ema,ema-bn,swa]
 """
 
 from __future__ import annotations
@@ -86,16 +86,19 @@ def train_all(args) -> None:
 
 # ---------------------------------------------------------------------------------- step 2
 
-# Post-processing options: (gate scores searched, at-least-one-label searched, predict.zero_black).
+# Post-processing options: (gate scores searched, at-least-one-label searched, predict.zero_black,
+# bounding boxes searched).
 OPTIONS = {
-    "top-k gate (today)": (("top_k",), False, False),
-    "+ head gate": (("top_k", "head"), False, False),
-    "+ score gate": (("top_k", "score"), False, False),
-    "+ head and score gates": (("top_k", "head", "score"), False, False),
-    "+ forced label": (("top_k",), True, False),
-    "+ score gate + forced label": (("top_k", "score"), True, False),
-    "+ all gates + forced label": (("top_k", "head", "score"), True, False),
-    "zero_black": (("top_k",), False, True),
+    "top-k gate (today)": (("top_k",), False, False, False),
+    "+ head gate": (("top_k", "head"), False, False, False),
+    "+ score gate": (("top_k", "score"), False, False, False),
+    "+ head and score gates": (("top_k", "head", "score"), False, False, False),
+    "+ forced label": (("top_k",), True, False, False),
+    "+ score gate + forced label": (("top_k", "score"), True, False, False),
+    "+ all gates + forced label": (("top_k", "head", "score"), True, False, False),
+    "zero_black": (("top_k",), False, True, False),
+    "+ boxes": (("top_k",), False, False, True),
+    "+ boxes + forced label": (("top_k",), True, False, True),
 }
 SWA_EPOCHS = 3  # the last 3 of 6 epochs
 TIMED_ROUNDS = 20  # the head's cost is a few percent: more rounds than recipes.py's table takes
@@ -133,15 +136,15 @@ def model_probs(model, config, data: Path, device) -> dict[bool, tuple[Probs, Pr
     return result
 
 
-def tuned_test_dice(oof: Probs, test: Probs, config, gate_search, force: bool) -> tuple[float, float, dict]:
+def tuned_test_dice(oof: Probs, test: Probs, config, gate_search, force: bool, box: bool) -> tuple[float, float, dict]:
     """(test Dice, out-of-fold CV Dice, rule) of the rule tuned on `oof` by the run's search."""
-    current = {**config.predict.model_dump(), "gate_on": ["top_k"] * len(LABELS),
+    current = {**config.predict.model_dump(), "gate_on": ["top_k"] * len(LABELS), "box": [False] * len(LABELS),
                "gate_search": [k for k in gate_search if k == "top_k" or oof.classes8 is not None],
-               "force_label_search": force}
+               "force_label_search": force, "box_search": box}
     rule = search_rule(oof.probs8, oof.truth, current, classes8=oof.classes8)
     masks = postprocess(test.probs8, rule["threshold"], rule["min_area"], rule["gate"], rule["top_k"],
-                        rule["gate_on"], test.classes8, rule["force_label"])
-    cv = rule["cv_dice"]["forced" if force else "after"]["mean"]
+                        rule["gate_on"], test.classes8, rule["force_label"], rule["box"])
+    cv = rule["cv_dice"]["forced" if force else "boxed" if box else "after"]["mean"]
     return float(np.mean(dice(masks, test.truth))), cv, rule
 
 
@@ -159,7 +162,7 @@ def plain_model(run: Path, config, device):
         model, _ = load_model(epoch_path(run, epoch), device)
         _, probs8, truth, _ = predict_oof(model, config, device)
         scores.append(search_rule(probs8, truth, {**config.predict.model_dump(), "gate_search": ["top_k"],
-                                                  "force_label_search": False})["cv_dice"]["after"]["mean"])
+                                                  "force_label_search": False, "box_search": False})["cv_dice"]["after"]["mean"])
     best = epochs[len(scores) - 1 - scores[::-1].index(max(scores))]
     return load_model(epoch_path(run, best), device)[0]
 
@@ -188,20 +191,26 @@ MODELS = {"plain": plain_model, "ema": lambda *a: ema_model(*a, recompute=False)
           "ema-bn": lambda *a: ema_model(*a, recompute=True), "swa": swa_model}
 
 
-def evaluate_run(run: Path, data: Path, device) -> list[dict]:
+def evaluate_run(run: Path, data: Path, device, models=tuple(MODELS)) -> list[dict]:
     """Every (model, option) row of one run: test Dice, out-of-fold CV, the rule's choices; kept
-    in RUN/ablation.json, from which a later call takes the models it already has."""
+    in RUN/ablation.json, from which a later call takes the rows it already has (a model's
+    probabilities are computed only for options it lacks)."""
     cache = run / "ablation.json"
     rows = json.loads(cache.read_text()) if cache.is_file() else []
     config = run_config(run)
-    for model_name in MODELS.keys() - {row["model"] for row in rows}:
+    for model_name in models:
+        done = {row["option"] for row in rows if row["model"] == model_name}
+        missing = [option for option in OPTIONS if option not in done]
+        if not missing:
+            continue
         probs = model_probs(MODELS[model_name](run, config, device), config, data, device)
-        for option, (gate_search, force, zero_black) in OPTIONS.items():
+        for option in missing:
+            gate_search, force, zero_black, box = OPTIONS[option]
             if probs[False][0].classes8 is None and any(k != "top_k" for k in gate_search):
                 continue  # a head gate without a head: not an option
-            test_dice, cv, rule = tuned_test_dice(*probs[zero_black], config, gate_search, force)
+            test_dice, cv, rule = tuned_test_dice(*probs[zero_black], config, gate_search, force, box)
             rows.append({"run": run.name, "model": model_name, "option": option, "test_dice": test_dice, "cv": cv,
-                         "gate_on": rule["gate_on"], "force_label": rule["force_label"]})
+                         "gate_on": rule["gate_on"], "force_label": rule["force_label"], "box": rule["box"]})
         with atomic_path(cache) as tmp:
             tmp.write_text(json.dumps(rows, indent=1))
     return rows
@@ -223,7 +232,7 @@ def evaluate_all(args) -> None:
         for head in HEADS:
             if (folder / head / "oof.npz").is_file():  # a finished run
                 refs = references(folder / "data")
-                for row in evaluate_run(folder / head, folder / "data", device):
+                for row in evaluate_run(folder / head, folder / "data", device, args.models):
                     results.append({"dataset": folder.name, **refs, **row})
                 print(f"  evaluated {folder.name} {head}", flush=True)
     print(f"\n{machine()}\n" + table(results))
@@ -280,10 +289,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-test", type=int, default=48)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--json", help="evaluate: also write every figure here")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"evaluate: comma-separated, of {', '.join(MODELS)} (rows of others already kept are shown)")
     parser.add_argument("--no-timing", action="store_true", help="evaluate: skip the step time with and without head")
     args = parser.parse_args(argv)
     args.variants = GROUPS.get(args.variants) or [v.strip() for v in args.variants.split(",") if v.strip()]
     args.seed_offsets = [int(v) for v in args.seed_offsets.split(",") if v.strip()]
+    args.models = [v.strip() for v in args.models.split(",") if v.strip()]
+    if unknown := set(args.models) - set(MODELS):
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; choose among {', '.join(MODELS)}")
     return args
 
 

@@ -208,6 +208,14 @@ class PredictConfig(Section):
         False, description="the tuning also tries force_label (off or one threshold); off by default: it did not "
         "score higher on noisy labels at demo scale (BENCHMARKS.md)"
     )
+    box: tuple[bool, bool, bool, bool] = Field(
+        (False,) * 4, description="per-class: each kept component becomes its bounding box (Kaggle's labels are "
+        "unions of labellers' rectangles); one value = all"
+    )
+    box_search: bool = Field(
+        True, description="the tuning also decides box per class: on where it raises the out-of-fold Dice under "
+        "the tuned rule (measured on noisy labels at demo scale, BENCHMARKS.md)"
+    )
     batch_size: int = Field(4, ge=1, description="images per inference batch")
     zero_black: bool = Field(False, description="zero the probabilities where the image is black (no-data bands)")
     tta: Literal["none", "hflip", "hvflip", "d4-lite"] = Field(
@@ -218,10 +226,10 @@ class PredictConfig(Section):
         "auto = on with CUDA (where Triton is installed)"
     )
 
-    @field_validator("threshold", "min_area", "gate", "gate_on", mode="before")
+    @field_validator("threshold", "min_area", "gate", "gate_on", "box", mode="before")
     @classmethod
     def _one_per_class(cls, value):
-        return (value,) * len(LABELS) if isinstance(value, (int, float, str)) else value
+        return (value,) * len(LABELS) if isinstance(value, (bool, int, float, str)) else value
 
 
 class Config(Section):

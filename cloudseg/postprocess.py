@@ -4,7 +4,9 @@ Data path: probabilities at 350×525 → **post-process** → submission.
 
 The rule, per class: quantize probabilities to uint8 (as out-of-fold files store them), keep
 pixels above the threshold, drop 8-connected components smaller than the minimum area, and
-empty the mask unless its gate score clears the gate. The gate score (`gate_on`) is the mean
+empty the mask unless its gate score clears the gate; with `box`, each component left
+becomes its bounding box (Kaggle's labels are the union of labellers' rectangles, so on
+noisy labels a box can score higher than the shape the model saw). The gate score (`gate_on`) is the mean
 of the image's `top_k` highest probabilities of the class (`top_k`), the classification
 head's probability (`head`), or the mean of the two (`score`, pudae's class score, 1st place).
 Then, with `force_label`, an image the rule left without any label keeps the class of highest
@@ -35,7 +37,8 @@ GATES = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 RULE_KEYS = ("threshold", "min_area", "gate")
 GATE_SCORES = ("top_k", "head", "score")  # top_k first: among tied rules the search keeps the one without the head
 HEAD_GATES = ("head", "score")
-RULE_DEFAULTS = {"gate_on": ["top_k"] * len(LABELS), "force_label": None}  # keys that files before them lack
+# Keys that files written before them lack, with the value that reads them as they were meant.
+RULE_DEFAULTS = {"gate_on": ["top_k"] * len(LABELS), "box": [False] * len(LABELS), "force_label": None}
 RULE_FILE = "postprocess.json"  # every run writes its tuned rule under this name; make cv the pooled one
 
 
@@ -56,6 +59,8 @@ def read_rule_file(path: str | Path) -> dict:
         result.setdefault(key, value)
     if len(result["gate_on"]) != len(LABELS) or any(kind not in GATE_SCORES for kind in result["gate_on"]):
         raise ValueError(f"{path}: gate_on must name one of {', '.join(GATE_SCORES)} per class, got {result['gate_on']!r}")
+    if len(result["box"]) != len(LABELS) or any(not isinstance(value, bool) for value in result["box"]):
+        raise ValueError(f"{path}: box must be true or false per class, got {result['box']!r}")
     if not isinstance(result["top_k"], int) or isinstance(result["top_k"], bool) or result["top_k"] < 1:
         raise ValueError(f"{path}: top_k must be a positive integer, got {result['top_k']!r}")
     return result
@@ -75,7 +80,7 @@ def quantize(probs) -> np.ndarray:
 
 def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), top_k: int = TOP_K,
                 gate_on=RULE_DEFAULTS["gate_on"], classes8: np.ndarray | None = None,
-                force_label: float | None = None) -> np.ndarray:
+                force_label: float | None = None, box=RULE_DEFAULTS["box"]) -> np.ndarray:
     """(N, 4, H, W) probabilities (float or uint8) -> uint8 masks by the rule above; `classes8`:
     the head's (N, 4) uint8 probabilities, needed by the head and score gates."""
     probs8 = probs if probs.dtype == np.uint8 else quantize(probs)
@@ -89,7 +94,7 @@ def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), top_k:
         mask = (probs8[index] > thresholds[label] * 255).view(np.uint8)
         if min_areas[label] > 0 and mask.any():
             mask = remove_small_components(mask, min_areas[label])
-        masks[index] = mask
+        masks[index] = bounding_boxes(mask) if box[label] and mask.any() else mask
     if force_label is not None:
         force_one_label(masks, probs8, classes8, force_label, top_k)
     return masks
@@ -135,6 +140,15 @@ def top_k_mean(probs8: np.ndarray, top_k: int = TOP_K) -> np.ndarray:
     top_k = min(top_k, flat.shape[-1])
     top = np.partition(flat, flat.shape[-1] - top_k, axis=-1)[..., -top_k:]
     return top.mean(-1, dtype=np.float64) / 255
+
+
+def bounding_boxes(mask: np.ndarray) -> np.ndarray:
+    """The mask with each 8-connected component filled out to its bounding box (boxes may overlap)."""
+    count, _, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)
+    boxes = np.zeros_like(mask)
+    for x, y, width, height, _ in stats[1:]:
+        boxes[y : y + height, x : x + width] = 1
+    return boxes
 
 
 def remove_small_components(mask: np.ndarray, min_area: int) -> np.ndarray:

@@ -135,7 +135,7 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
         classes8 = None if classes is None else quantize(classes.cpu().numpy())
         masks = postprocess(resize_probs(native).cpu().numpy(), config.predict.threshold, config.predict.min_area,
                             config.predict.gate, ensemble.top_k, config.predict.gate_on, classes8,
-                            config.predict.force_label)
+                            config.predict.force_label, config.predict.box)
         for image_id, image_masks in zip(batch["image_id"], masks):
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
     path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)

@@ -348,7 +348,7 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
         classes8 = None if probs.classes is None else quantize(probs.classes.cpu().numpy())
         rule = config.predict
         pair_dice.append(dice(postprocess(probs8, rule.threshold, rule.min_area, rule.gate, TOP_K, rule.gate_on, classes8,
-                                          rule.force_label), truth))
+                                          rule.force_label, rule.box), truth))
         search.add(probs8, truth, classes8)
     losses, pair_dice, (search, *others) = (distributed.gathered(x) for x in (losses, pair_dice, [search]))
     search.merge(others)

@@ -15,7 +15,7 @@ import numpy as np
 from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
 from cloudseg.metrics import dice
-from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RULE_FILE, RULE_KEYS, THRESHOLDS, TOP_K,
+from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RULE_DEFAULTS, RULE_FILE, RULE_KEYS, THRESHOLDS, TOP_K,
                                   all_gate_scores, grid_scores, postprocess, presence_scores, write_rule_file)
 from cloudseg.task import LABELS
 from cloudseg.units import human_duration
@@ -47,7 +47,8 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
 def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP_K,
                 prior_images: float = PRIOR_IMAGES, classes8: np.ndarray | None = None) -> dict:
     """The best rule per class on these images, with its mean Dice before (current rule) and after,
-    then the at-least-one-label option on top of it (`search_force_label`, when
+    then the bounding boxes per class (`search_boxes`, when `box_search`; else the current rule's
+    `box`) and the at-least-one-label option on top of it (`search_force_label`, when
     `force_label_search`).
 
     probs8: (N, 4, H, W) uint8 probabilities at submission size; truth: the (N, 4, H, W) masks
@@ -58,16 +59,39 @@ def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP
     search = RuleSearch(current, top_k, prior_images, head=classes8 is not None)
     search.add(probs8, truth, classes8)
     result = search.result()
+    result["box"] = list(_rule_value(current, "box", RULE_DEFAULTS["box"]))
+    if _rule_value(current, "box_search", True):
+        result["box"], result["cv_dice"]["boxed"] = search_boxes(probs8, truth, result, classes8, top_k, prior_images)
     if _rule_value(current, "force_label_search", True):
         result["force_label"], result["cv_dice"]["forced"] = search_force_label(probs8, truth, result, classes8, top_k)
     return result
+
+
+def search_boxes(probs8, truth, rule: dict, classes8=None, top_k: int = TOP_K, prior_images: float = PRIOR_IMAGES):
+    """Per class, whether filling each kept component out to its bounding box (postprocess's
+    `box`) raises the mean Dice over these images under `rule`: its gain, blended with the four
+    classes' mean gain as the grid's choice is (see PRIOR_IMAGES), must be above zero. Returns the
+    choice per class and the mean Dice with it ({"mean": ..., label: ...})."""
+    def class_dice(box):
+        masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k, rule["gate_on"], classes8,
+                            box=box)
+        return np.asarray(dice(masks, truth)).mean(0)
+
+    shapes, boxes = class_dice([False] * len(LABELS)), class_dice([True] * len(LABELS))
+    present = np.count_nonzero(np.asarray(truth).any(axis=(-2, -1)), axis=0)
+    weights = np.array([pooled_weight(int(min(n, len(truth) - n)), prior_images) for n in present])
+    gains = boxes - shapes
+    chosen = (1 - weights) * gains + weights * gains.mean() > 0
+    kept = np.where(chosen, boxes, shapes)
+    return chosen.tolist(), {"mean": float(kept.mean()), **dict(zip(LABELS, kept.tolist()))}
 
 
 def search_force_label(probs8, truth, rule: dict, classes8=None, top_k: int = TOP_K, thresholds=THRESHOLDS):
     """The threshold of the at-least-one-label option (postprocess.force_one_label) that most raises
     the mean Dice over these images under `rule`, or None when none raises it; and that mean Dice
     ({"mean": ..., label: ...}). Only images the rule leaves empty change, each in one class."""
-    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k, rule["gate_on"], classes8)
+    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k, rule["gate_on"], classes8,
+                        box=rule.get("box", RULE_DEFAULTS["box"]))
     pair = np.asarray(dice(masks, truth))
     empty = np.flatnonzero(~masks.any(axis=(1, 2, 3)))
     gains = np.zeros(len(thresholds))
@@ -201,12 +225,15 @@ def pooled_notes(result: dict) -> list[str]:
 
 def table(result: dict) -> str:
     """The before/after table that `cloudseg tune` prints."""
-    lines = [f"{'class':<8}{'threshold':>10}{'min_area':>10}{'gate':>6}{'gate on':>8}{'CV before':>11}{'CV after':>10}"]
+    lines = [f"{'class':<8}{'threshold':>10}{'min_area':>10}{'gate':>6}{'gate on':>8}{'CV before':>11}{'CV after':>10}"
+             f"{'boxes':>7}"]
     for c, label in enumerate(LABELS):
         lines.append(f"{label:<8}{result['threshold'][c]:>10.2f}{result['min_area'][c]:>10}{result['gate'][c]:>6.2f}"
                      f"{result['gate_on'][c]:>8}{result['cv_dice']['before'][label]:>11.4f}"
-                     f"{result['cv_dice']['after'][label]:>10.4f}")
+                     f"{result['cv_dice']['after'][label]:>10.4f}{'yes' if result['box'][c] else 'no':>7}")
     lines.append(f"{'mean':<42}{result['cv_dice']['before']['mean']:>11.4f}{result['cv_dice']['after']['mean']:>10.4f}")
+    if any(result["box"]):
+        lines.append(f"bounding boxes where the table says yes: CV {result['cv_dice']['boxed']['mean']:.4f}")
     if result.get("force_label") is not None:
         lines.append(f"at least one label per image: the likeliest class above {result['force_label']:.2f} where the "
                      f"rule leaves none; CV {result['cv_dice']['forced']['mean']:.4f}")

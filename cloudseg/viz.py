@@ -232,7 +232,8 @@ def oof_dice(run_dir: str | Path, rule: dict | None = None) -> pd.DataFrame:
     ids, probs8, truth = read_oof(Path(run_dir) / OOF_FILE)
     if rule is None:
         rule = from_dict(load_checkpoint(Path(run_dir) / "last.pt")["config"]).predict.model_dump()
-    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4))
+    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4),
+                        box=rule.get("box", (False,) * 4))
     frame = pd.DataFrame(dice(masks, truth), index=ids, columns=list(LABELS))
     return frame.assign(dice=frame.mean(1))
 
@@ -264,7 +265,8 @@ def oof_pictures(run_dir: str | Path, data_dir: str | Path, image_ids, rule: dic
     pictures = []
     for image_id in image_ids:
         i = rows[image_id]
-        pred = postprocess(probs8[i : i + 1], rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4))[0]
+        pred = postprocess(probs8[i : i + 1], rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4),
+                           box=rule.get("box", (False,) * 4))[0]
         image = read_image(Path(data_dir) / TRAIN_IMAGES / image_id)
         pictures.append(panels(image, {"truth": truth[i], "prediction": pred}))
     return pictures

@@ -72,6 +72,27 @@ def test_a_model_that_returns_the_true_masks_scores_exactly_one(submission_sized
     assert evaluate_submission(path, submission_sized_data / TEST_SOLUTION_CSV)["dice"] == 1.0
 
 
+def test_predict_boxes_the_classes_its_rule_says(submission_sized_data, tmp_path, monkeypatch):
+    """predict.box for Fish only, with the perfect model: each Fish mask written is the truth's
+    boxed, the other classes the truth itself. Would catch: predict ignoring the rule's boxes,
+    or boxing another class."""
+    from cloudseg.postprocess import bounding_boxes
+
+    path = predict_with([truth_model(submission_sized_data)], monkeypatch, submission_sized_data, tmp_path / "s.csv",
+                        ["predict.box=[true,false,false,false]"])
+    written, truth = read_label_csv(path), read_label_csv(submission_sized_data / TEST_SOLUTION_CSV)
+    changed = 0
+    for image_id in truth.index:
+        expected = decode_masks(truth, image_id, SUBMISSION_SHAPE, "truth")
+        got = decode_masks(written, image_id, SUBMISSION_SHAPE, "submission")
+        boxed = bounding_boxes(expected[0].astype(np.uint8))
+        np.testing.assert_array_equal(got[0], boxed)
+        for c in range(1, len(LABELS)):
+            np.testing.assert_array_equal(got[c], expected[c])
+        changed += int((boxed != expected[0]).any())
+    assert changed  # the synthetic Fish regions are not all rectangles already
+
+
 def test_the_true_masks_under_the_wrong_ids_do_not(submission_sized_data, tmp_path, monkeypatch):
     model = truth_model(submission_sized_data, shuffle_ids=True)
     path = predict_with([model], monkeypatch, submission_sized_data, tmp_path / "s.csv")
