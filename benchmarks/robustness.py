@@ -12,11 +12,13 @@ submission, `predict --postprocess none` (the config's untuned rule), and an exp
 noisy`) also the box oracle (the true regions' boxes against the crowd's labels: the most a
 model can hope for) and the share of the margin captured, (default − all-empty) / (box oracle
 − all-empty). Every variant's data, run directory, submissions and command logs stay under
---out for inspection.
+--out for inspection. `--retune` reuses the runs an earlier study left under --out: each
+run's rule is tuned again by today's code (`cloudseg tune RUN --out RUN/postprocess.json`, what
+training's last step writes) and the submissions made again, without training.
 
 Usage: python benchmarks/robustness.py [--variants clean|noisy|all|a,b] [--n-train 64] [--n-test 16]
        [--epochs 6] [--out DIR] [--json FILE] [--size H W] [--seed-offset K] [--set key=value ...]
-       [--device auto|cpu|cuda]
+       [--device auto|cpu|cuda] [--retune]
 """
 
 from __future__ import annotations
@@ -108,11 +110,17 @@ def label_shares(table: pd.DataFrame) -> list[float]:
 def study_variant(name: str, variant, args, root: Path) -> dict:
     """Generate one variant's data, train, predict four ways and score each; return the figures."""
     started = time.perf_counter()
-    folder = fresh_folder(root / name)
+    folder = root / name
     data, run, log = folder / "data", folder / "run", folder / "commands.log"
-    generate(variant, data, args.n_train, args.n_test)
-    cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}",
-             f"train.epochs={args.epochs}", f"train.device={args.device}", *args.set, log=log)
+    if args.retune:
+        if not (run / "best.pt").is_file():
+            raise FileNotFoundError(f"{run}/best.pt: --retune needs the runs of an earlier study under --out")
+        cloudseg("tune", str(run), "--out", str(run / "postprocess.json"), log=log)
+    else:
+        fresh_folder(folder)
+        generate(variant, data, args.n_train, args.n_test)
+        cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}",
+                 f"train.epochs={args.epochs}", f"train.device={args.device}", *args.set, log=log)
     train_seconds = time.perf_counter() - started
     best, device = f"{run}/best.pt", ("--device", args.device)
     cloudseg("predict", "--checkpoint", best, "--out", str(folder / "default.csv"), *device, log=log)
@@ -198,9 +206,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "to check a recipe on draws it was not chosen on")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra training config override, e.g. train.lr=1e-3 (repeatable)")
+    parser.add_argument("--retune", action="store_true",
+                        help="no training: tune the runs left under --out again with today's code, and predict again")
     add_device_option(parser, "training and prediction run (train.device, predict --device)")
     args = parser.parse_args(argv)
     args.variants = GROUPS.get(args.variants) or [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.retune and not args.out:
+        parser.error("--retune needs --out: the folder of an earlier study")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")

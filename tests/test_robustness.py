@@ -167,6 +167,16 @@ def test_script_prints_the_table_with_every_column(tmp_path):
     assert result["scores"]["all-empty"]["dice"] == pytest.approx(truth.eq("").to_numpy().mean())
     assert result["margin"] == pytest.approx(result["scores"]["default"]["dice"] - truth.eq("").to_numpy().mean())
 
+    # --retune on the same folder: the run tuned again into its own postprocess.json, no training.
+    again = subprocess.run(
+        [sys.executable, "benchmarks/robustness.py", "--variants", "blobs-union", "--device", "cpu",
+         "--out", str(tmp_path / "study"), "--retune"], capture_output=True, text=True, timeout=900, check=True).stdout
+    assert any(line.startswith("blobs-union") for line in again.splitlines())
+    commands = (study / "commands.log").read_text().splitlines()
+    assert sum(line.startswith("$ cloudseg train") for line in commands) == 1
+    assert f"$ cloudseg tune {study / 'run'} --out {study / 'run/postprocess.json'}" in commands
+    assert sum(line.startswith("$ cloudseg predict") for line in commands) == 6
+
 
 def test_variant_groups_name_the_clean_and_the_noisy_variants():
     """--variants clean (the default) keeps the study as it was; noisy names the five crowd-labelled
