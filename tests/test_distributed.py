@@ -122,6 +122,20 @@ def test_two_processes_measure_the_ema_s_batchnorm_statistics_as_one(data_copy, 
         torch.testing.assert_close(two[name], one[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_swa_after_two_processes_is_the_swa_after_one(data_copy, tmp_path):
+    """train.swa=2 under torchrun: rank 0 averages the epochs the processes trained together and
+    measures BatchNorm again in one process, so best.pt equals the one-process run's. Would
+    catch: the average taken from one rank's unsynchronized weights, statistics left per rank,
+    or a rank that waits on another while rank 0 averages (the launch would hang)."""
+    options = [f"data.dir={data_copy}", *OPTIONS, "train.swa=2"]
+    train_one_process(load_config("configs/demo.yaml", options), tmp_path / "one")
+    torchrun_train(tmp_path / "two", options)
+    one, two = load_checkpoint(tmp_path / "one/best.pt"), load_checkpoint(tmp_path / "two/best.pt")
+    assert one["swa"]["epochs"] == two["swa"]["epochs"] == [1, 2]
+    for name, tensor in one["model"].items():
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-9, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("rank, expected", [(0, [0, 1, 2, 6, 7, 8]), (1, [3, 4, 5, 9])])
 def test_whole_batches_are_dealt_to_the_processes_in_turn(monkeypatch, rank, expected):
     """10 items in batches of 3 over 2 processes: batches [0-2], [3-5], [6-8], [9] go to ranks
