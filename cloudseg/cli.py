@@ -254,7 +254,9 @@ def run_train(args) -> int | None:
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "last.pt").exists():
             raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
+    handler = None
     if distributed.is_main():  # one log: the other processes say only warnings, on stderr
         handler = logging.FileHandler(run_dir / "train.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -267,6 +269,10 @@ def run_train(args) -> int | None:
     except Interrupted as stopped:
         print(f"cloudseg: {stopped}", file=sys.stderr)
         return 130
+    except BaseException:
+        if created and handler is not None:
+            remove_unstarted_run(run_dir, handler)
+        raise
     if distributed.is_main():
         from cloudseg.train import best_epoch
 
@@ -274,6 +280,16 @@ def run_train(args) -> int | None:
         print(f"run {run_dir}: best validation Dice {best['dice_tuned']:.4f} under its tuned rule "
               f"({best['dice']:.4f} under the config's) at epoch {int(best['epoch'])}; "
               f"predict applies {run_dir / 'postprocess.json'}")
+
+
+def remove_unstarted_run(run_dir: Path, handler: logging.Handler) -> None:
+    """A run refused before it wrote anything but its log (a CPU refusal, a bad data folder)
+    leaves no folder behind: the error is on the terminal, and runs/ lists only real runs."""
+    logging.getLogger().removeHandler(handler)
+    handler.close()
+    if [path.name for path in run_dir.iterdir()] == ["train.log"]:
+        (run_dir / "train.log").unlink()
+        run_dir.rmdir()
 
 
 def run_predict(args) -> None:

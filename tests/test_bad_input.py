@@ -125,6 +125,19 @@ def image_ids(data):
 # ------------------------------------------------------------------------- one case at a time
 
 
+def test_a_run_refused_before_it_starts_leaves_no_folder(tmp_path, capsys):
+    """A data folder without train.csv: one line, and no runs/<name>/ holding only the log of
+    the refusal. A folder the user made beforehand stays (with the log). Would catch: the empty run folder that
+    a refused `make train` used to leave (and `make predict` then took for the newest run)."""
+    (tmp_path / "empty").mkdir()
+    for out, kept in ((tmp_path / "runs/new", False), (tmp_path / "mine", True)):
+        if kept:
+            out.mkdir()
+        assert main(["train", "-c", "configs/demo.yaml", "--out", str(out), f"data.dir={tmp_path / 'empty'}", *FAST]) == 2
+        assert "train.csv" in capsys.readouterr().err
+        assert out.is_dir() is kept
+
+
 @pytest.mark.parametrize("spoil", SKIPPABLE, ids=lambda spoil: spoil.__name__)
 def test_check_reports_it_and_train_stops_with_one_line_naming_it(data, tmp_path, capsys, spoil):
     named, message = spoil(data, image_ids(data)[-1])
