@@ -162,7 +162,8 @@ def plain_model(run: Path, config, device):
         model, _ = load_model(epoch_path(run, epoch), device)
         _, probs8, truth, _ = predict_oof(model, config, device)
         scores.append(search_rule(probs8, truth, {**config.predict.model_dump(), "gate_search": ["top_k"],
-                                                  "force_label_search": False, "box_search": False})["cv_dice"]["after"]["mean"])
+                                                  "force_label_search": False,
+                                                  "box_search": False})["cv_dice"]["after"]["mean"])
     best = epochs[len(scores) - 1 - scores[::-1].index(max(scores))]
     return load_model(epoch_path(run, best), device)[0]
 
@@ -290,7 +291,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--json", help="evaluate: also write every figure here")
     parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"evaluate: comma-separated, of {', '.join(MODELS)} (rows of others already kept are shown)")
+                        help=f"evaluate: comma-separated, of {', '.join(MODELS)} (rows kept of others are shown too)")
     parser.add_argument("--no-timing", action="store_true", help="evaluate: skip the step time with and without head")
     args = parser.parse_args(argv)
     args.variants = GROUPS.get(args.variants) or [v.strip() for v in args.variants.split(",") if v.strip()]

@@ -5,9 +5,9 @@ Data path: probabilities at 350×525 → **post-process** → submission.
 The rule, per class: quantize probabilities to uint8 (as out-of-fold files store them), keep
 pixels above the threshold, drop 8-connected components smaller than the minimum area, and
 empty the mask unless its gate score clears the gate; with `box`, each component left
-becomes its bounding box (Kaggle's labels are the union of labellers' rectangles, so on
-noisy labels a box can score higher than the shape the model saw). The gate score (`gate_on`) is the mean
-of the image's `top_k` highest probabilities of the class (`top_k`), the classification
+becomes its bounding box (Kaggle's labels are the union of labellers' rectangles, so on noisy
+labels a box can score higher than the shape the model saw). The gate score (`gate_on`) is the
+mean of the image's `top_k` highest probabilities of the class (`top_k`), the classification
 head's probability (`head`), or the mean of the two (`score`, pudae's class score, 1st place).
 Then, with `force_label`, an image the rule left without any label keeps the class of highest
 presence score (the mean of head and top-k mean; the top-k mean without a head), its pixels

@@ -15,8 +15,8 @@ import numpy as np
 from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
 from cloudseg.metrics import dice
-from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RULE_DEFAULTS, RULE_FILE, RULE_KEYS, THRESHOLDS, TOP_K,
-                                  all_gate_scores, grid_scores, postprocess, presence_scores, write_rule_file)
+from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RULE_DEFAULTS, RULE_FILE, RULE_KEYS,
+                                  THRESHOLDS, TOP_K, all_gate_scores, grid_scores, postprocess, presence_scores, write_rule_file)
 from cloudseg.task import LABELS
 from cloudseg.units import human_duration
 
