@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
-    print(f"{'study':<28}{'variant':<24}{'run\'s rule':>11}{'on test':>11}{'presence':>11}")
+    print(f"{'study':<28}{'variant':<24}" + "".join(f"{column:>11}" for column in ("run's rule", "on test", "presence")))
     for study in map(Path, args.studies):
         for folder in sorted(p for p in study.iterdir() if (p / "run/best.pt").is_file() and (p / "data").is_dir()):
             if not (folder / "data" / BOX_ORACLE_CSV).is_file():
