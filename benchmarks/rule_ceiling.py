@@ -58,6 +58,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("studies", nargs="+", help="--out folders of robustness.py studies of noisy variants")
     args = parser.parse_args(argv)
+    if missing := [study for study in args.studies if not Path(study).is_dir()]:
+        parser.error(f"no such study folder: {', '.join(missing)}")
     torch.set_num_threads(1)
     rows = []
     print(f"{'study':<28}{'variant':<24}" + "".join(f"{column:>11}" for column in ("run's rule", "on test", "presence")))
