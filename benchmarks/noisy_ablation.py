@@ -39,7 +39,7 @@ from cloudseg.files import atomic_path
 from cloudseg.hardware import autocast_dtype
 from cloudseg.metrics import dice, evaluate_submission
 from cloudseg.oof import predict_oof
-from cloudseg.postprocess import postprocess, quantize
+from cloudseg.postprocess import apply_rule, quantize
 from cloudseg.predict import batch_probabilities, load_model
 from cloudseg.swa import EPOCHS_DIR, average_checkpoints, epoch_path, recompute_norm_statistics
 from cloudseg.synth import TEST_SOLUTION_CSV
@@ -142,8 +142,7 @@ def tuned_test_dice(oof: Probs, test: Probs, config, gate_search, force: bool, b
                "gate_search": [k for k in gate_search if k == "top_k" or oof.classes8 is not None],
                "force_label_search": force, "box_search": box}
     rule = search_rule(oof.probs8, oof.truth, current, classes8=oof.classes8)
-    masks = postprocess(test.probs8, rule["threshold"], rule["min_area"], rule["gate"], rule["top_k"],
-                        rule["gate_on"], test.classes8, rule["force_label"], rule["box"])
+    masks = apply_rule(test.probs8, rule, test.classes8)
     cv = rule["cv_dice"]["forced" if force else "boxed" if box else "after"]["mean"]
     return float(np.mean(dice(masks, test.truth))), cv, rule
 

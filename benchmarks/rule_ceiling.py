@@ -25,18 +25,13 @@ import numpy as np
 import torch
 
 from cloudseg.metrics import dice
-from cloudseg.postprocess import postprocess, read_rule_file
+from cloudseg.postprocess import apply_rule, read_rule_file
 from cloudseg.predict import load_model
 from cloudseg.tune import search_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kaggle_like import BOX_ORACLE_CSV  # noqa: E402
 from noisy_ablation import references, test_probs  # noqa: E402
-
-
-def masks_by(rule: dict, probs) -> np.ndarray:
-    return postprocess(probs.probs8, rule["threshold"], rule["min_area"], rule["gate"], rule["top_k"], rule["gate_on"],
-                       probs.classes8, rule["force_label"], rule["box"])
 
 
 def shares(folder: Path, device: torch.device) -> tuple[float, float, float]:
@@ -46,9 +41,10 @@ def shares(folder: Path, device: torch.device) -> tuple[float, float, float]:
     probs = test_probs(model.eval(), config, folder / "data", device)
     refs = references(folder / "data")
     room = refs["box oracle"] - refs["all-empty"]
-    own = np.asarray(dice(masks_by(read_rule_file(folder / "run/postprocess.json"), probs), probs.truth))
+    own_rule = read_rule_file(folder / "run/postprocess.json")
+    own = np.asarray(dice(apply_rule(probs.probs8, own_rule, probs.classes8), probs.truth))
     on_test = search_rule(probs.probs8, probs.truth, config.predict, classes8=probs.classes8, prior_images=0)
-    best = np.asarray(dice(masks_by(on_test, probs), probs.truth))
+    best = np.asarray(dice(apply_rule(probs.probs8, on_test, probs.classes8), probs.truth))
     present = probs.truth.any(axis=(-2, -1))
     perfect = np.where(present, own, 1.0)  # a present class keeps the run's mask; an absent one is empty
     return tuple(float((d.mean() - refs["all-empty"]) / room) for d in (own, best, perfect))

@@ -100,6 +100,12 @@ def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), top_k:
     return masks
 
 
+def apply_rule(probs8: np.ndarray, rule: dict, classes8: np.ndarray | None = None) -> np.ndarray:
+    """`postprocess` by a whole rule, as `search_rule` returns it and `read_rule_file` reads it."""
+    return postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], rule["top_k"], rule["gate_on"], classes8,
+                       rule["force_label"], rule["box"])
+
+
 def gate_scores(probs8: np.ndarray, classes8: np.ndarray | None, gate_on, top_k: int = TOP_K) -> np.ndarray:
     """(N, 4) gate score of each (image, class) in [0, 1], of the kind `gate_on` names per class."""
     kinds = all_gate_scores(probs8, classes8, top_k, [kind for kind in GATE_SCORES if kind in gate_on])

@@ -227,13 +227,13 @@ def oof_dice(run_dir: str | Path, rule: dict | None = None) -> pd.DataFrame:
     from cloudseg.config import from_dict
     from cloudseg.metrics import dice
     from cloudseg.oof import OOF_FILE, read_oof
-    from cloudseg.postprocess import postprocess
+    from cloudseg.postprocess import RULE_DEFAULTS, postprocess
 
     ids, probs8, truth = read_oof(Path(run_dir) / OOF_FILE)
     if rule is None:
         rule = from_dict(load_checkpoint(Path(run_dir) / "last.pt")["config"]).predict.model_dump()
     masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4),
-                        box=rule.get("box", (False,) * 4))
+                        box=rule.get("box", RULE_DEFAULTS["box"]))
     frame = pd.DataFrame(dice(masks, truth), index=ids, columns=list(LABELS))
     return frame.assign(dice=frame.mean(1))
 
@@ -256,7 +256,7 @@ def oof_pictures(run_dir: str | Path, data_dir: str | Path, image_ids, rule: dic
     """truth | prediction panels for out-of-fold images of a run."""
     from cloudseg.data import read_image
     from cloudseg.oof import OOF_FILE, read_oof
-    from cloudseg.postprocess import postprocess
+    from cloudseg.postprocess import RULE_DEFAULTS, postprocess
     from cloudseg.task import TRAIN_IMAGES
 
     ids, probs8, truth = read_oof(Path(run_dir) / OOF_FILE)
@@ -266,7 +266,7 @@ def oof_pictures(run_dir: str | Path, data_dir: str | Path, image_ids, rule: dic
     for image_id in image_ids:
         i = rows[image_id]
         pred = postprocess(probs8[i : i + 1], rule["threshold"], rule["min_area"], rule.get("gate", (0.0,) * 4),
-                           box=rule.get("box", (False,) * 4))[0]
+                           box=rule.get("box", RULE_DEFAULTS["box"]))[0]
         image = read_image(Path(data_dir) / TRAIN_IMAGES / image_id)
         pictures.append(panels(image, {"truth": truth[i], "prediction": pred}))
     return pictures

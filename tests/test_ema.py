@@ -9,10 +9,9 @@ from torch.optim.swa_utils import AveragedModel
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
-from cloudseg.data import CloudDataset, fold_ids
 from cloudseg.model import build_model
 from cloudseg.train import Interrupted, train
-from tests.conftest import TINY, signal_during
+from tests.conftest import TINY, signal_during, stem_norm_statistics
 
 DECAY = 0.6
 OPTIONS = [*TINY, f"train.ema={DECAY}"]  # 16 training images, windows of 2 micro-batches of 2: 4 steps an epoch
@@ -53,14 +52,7 @@ def test_the_average_s_batchnorm_statistics_are_measured_with_its_own_weights(da
     last = load_checkpoint(tmp_path / "run/last.pt")
     model = build_model(config.model, pretrained=False)
     model.load_state_dict(last["model"])
-    name, norm = next((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))  # the stem's
-    inputs = []
-    handle = norm.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
-    dataset = CloudDataset(data_copy, "train", fold_ids(config.data, config.seed)[0])
-    with torch.no_grad():
-        model.eval()(torch.stack([dataset[i]["image"] for i in range(len(dataset))]))
-    handle.remove()
-    expected = inputs[0].mean((0, 2, 3))
+    name, norm, expected = stem_norm_statistics(model, data_copy, config)
     torch.testing.assert_close(norm.running_mean, expected, rtol=1e-4, atol=1e-5)
     assert (last["training_model"][f"{name}.running_mean"] - expected).abs().max() > 1e-3
 

@@ -8,10 +8,9 @@ from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint, save_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
-from cloudseg.data import CloudDataset, fold_ids
 from cloudseg.model import build_model
 from cloudseg.swa import chosen_epochs, epoch_path
-from tests.conftest import TINY
+from tests.conftest import TINY, stem_norm_statistics
 
 
 def test_swa_averages_the_weights_and_measures_batchnorm_again(data_copy, tmp_path):
@@ -32,14 +31,7 @@ def test_swa_averages_the_weights_and_measures_batchnorm_again(data_copy, tmp_pa
     for name, value in model.named_parameters():
         torch.testing.assert_close(value.detach(), (epochs[0][name] + epochs[1][name]) / 2, rtol=1e-6, atol=1e-7)
 
-    name, bn = next((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))  # the stem's
-    inputs = []
-    handle = bn.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
-    dataset = CloudDataset(data_copy, "train", fold_ids(config.data, config.seed)[0])
-    with torch.no_grad():
-        model.eval()(torch.stack([dataset[i]["image"] for i in range(len(dataset))]))
-    handle.remove()
-    expected = inputs[0].mean((0, 2, 3))
+    name, bn, expected = stem_norm_statistics(model, data_copy, config)
     torch.testing.assert_close(bn.running_mean, expected, rtol=1e-4, atol=1e-5)
     averaged_buffers = (epochs[0][f"{name}.running_mean"] + epochs[1][f"{name}.running_mean"]) / 2
     assert (averaged_buffers - expected).abs().max() > 1e-3
