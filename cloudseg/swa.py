@@ -98,13 +98,20 @@ def recompute_norm_statistics(model: CloudNet, config: Config, device: torch.dev
 
 def pool_ranks(norms: list[_BatchNorm]) -> None:
     """Each layer's statistics as the mean over every process's micro-batches: `update_bn` left
-    each process the mean over its own, and their count in num_batches_tracked."""
+    each process the mean over its own, and their count in num_batches_tracked. Every layer's
+    count and count-weighted sums travel in one flat vector: one all-reduce for the whole model."""
+    parts = []
     for norm in norms:
-        count = norm.num_batches_tracked.to(norm.running_mean.dtype)
-        total = distributed.summed(count.clone())
-        for stat in (norm.running_mean, norm.running_var):
-            stat.copy_(distributed.summed(stat * count) / total)
-        norm.num_batches_tracked.copy_(total)
+        count = norm.num_batches_tracked.to(norm.running_mean.dtype).reshape(1)
+        parts += [count, norm.running_mean * count, norm.running_var * count]
+    if not parts:
+        return
+    sums = distributed.summed(torch.cat(parts)).split([part.numel() for part in parts])
+    for i, norm in enumerate(norms):
+        total, mean_sum, var_sum = sums[3 * i:3 * i + 3]
+        norm.running_mean.copy_(mean_sum / total)
+        norm.running_var.copy_(var_sum / total)
+        norm.num_batches_tracked.copy_(total.squeeze())
 
 
 def swa(paths: list[str | Path], out: str | Path, device: torch.device = torch.device("cpu")) -> Path:
