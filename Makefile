@@ -129,10 +129,16 @@ predict: $(STAMP)
 	  $(PY) -m cloudseg evaluate --submission $(SUBMISSION) --truth $$data_dir/test_solution.csv; \
 	fi
 
+# Where the kaggle library (2.2.5) finds credentials, besides KAGGLE_API_TOKEN and KAGGLE_USERNAME/KAGGLE_KEY:
+# an API token file, `kaggle auth login`'s OAuth file, a legacy kaggle.json.
+KAGGLE_FILES := "$$HOME/.kaggle/access_token" "$$HOME/.kaggle/access_token.txt" "$$HOME/.kaggle/credentials.json" \
+	"$${KAGGLE_CONFIG_DIR:-$$HOME/.kaggle}/kaggle.json" "$${XDG_CONFIG_HOME:-$$HOME/.config}/kaggle/kaggle.json"
+
 data: $(STAMP)
-	@if [ -z "$$KAGGLE_USERNAME$$KAGGLE_API_TOKEN" ] && [ ! -f ~/.kaggle/kaggle.json ] && [ ! -f ~/.config/kaggle/kaggle.json ]; then \
+	@found=; for file in $(KAGGLE_FILES); do [ -f "$$file" ] && found="$$file"; done; \
+	if [ -z "$$KAGGLE_USERNAME$$KAGGLE_API_TOKEN$$found" ]; then \
 	  echo "make data: no Kaggle API credentials. Create a token on kaggle.com (Settings > API),"; \
-	  echo "save it as ~/.kaggle/kaggle.json (chmod 600) or export KAGGLE_USERNAME and KAGGLE_KEY,"; \
+	  echo "save it as ~/.kaggle/access_token (chmod 600) or export KAGGLE_API_TOKEN,"; \
 	  echo "accept the rules of the 'understanding_cloud_organization' competition, then run make data again."; \
 	  exit 1; fi
 	@$(MAKE) -s --no-print-directory $(KAGGLE_STAMP)

@@ -18,8 +18,9 @@ from pathlib import Path
 from cloudseg.task import COMPETITION
 
 RULES_URL = f"https://www.kaggle.com/competitions/{COMPETITION}/rules"
-CREDENTIALS = ("check KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json "
-               "(a new token: kaggle.com > Settings > API > Create New Token)")
+CREDENTIALS = ("check KAGGLE_API_TOKEN or ~/.kaggle/access_token (a new token: kaggle.com > Settings > API), "
+               "`kaggle auth login`'s ~/.kaggle/credentials.json, or the older KAGGLE_USERNAME and KAGGLE_KEY "
+               "or ~/.kaggle/kaggle.json")
 REFUSALS = {
     401: f"Kaggle refused the credentials (HTTP 401): {CREDENTIALS}",
     403: f"Kaggle refused the download (HTTP 403): accept the competition's rules at {RULES_URL} "
@@ -56,6 +57,8 @@ def kaggle_api():
             api.authenticate()
         except SystemExit as error:
             raise RuntimeError(f"no usable Kaggle API credentials: {CREDENTIALS}") from error
+        except Exception as error:  # an API token is checked with Kaggle: requests' exceptions
+            raise RuntimeError(failure_line(error, Path.home() / ".kaggle")) from error
     return api
 
 

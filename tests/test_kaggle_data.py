@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cloudseg.download import RULES_URL, unpack
+from cloudseg.download import CREDENTIALS, RULES_URL, unpack
 
 ROOT = Path(__file__).resolve().parents[1]
 KAGGLE_VERSION = re.search(r'"kaggle==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
@@ -93,6 +93,33 @@ def test_make_data_starts_the_cli_and_reports_an_unreachable_kaggle_in_one_line(
 
 
 @needs_make_and_uv
+@pytest.mark.parametrize("credentials", [None, ".kaggle/access_token", ".kaggle/credentials.json", "config/kaggle.json"])
+def test_make_data_looks_for_credentials_where_the_kaggle_library_does(kaggle_venv, tmp_path, refusing_proxy,
+                                                                       credentials):
+    """CPU. No KAGGLE_ variable; HOME holds an API token file, `kaggle auth login`'s OAuth file, a
+    kaggle.json under KAGGLE_CONFIG_DIR, or nothing. Would catch: make data refusing before the
+    download a user whose credentials the library would take (kaggle.json alone was looked for),
+    or no longer refusing, before installing anything, a user who has none; an API token checked
+    with an unreachable Kaggle ending in a traceback (kaggle_api caught only SystemExit)."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in fake_user_env(home, refusing_proxy).items() if not k.startswith("KAGGLE_")}
+    if credentials:
+        (home / credentials).parent.mkdir(parents=True)
+        (home / credentials).write_text('{"username": "nobody", "key": "0"}' if credentials.endswith("json") else "0")
+        env["KAGGLE_CONFIG_DIR"] = str(home / "config")
+    result = subprocess.run(["make", "--no-print-directory", "data", f"VENV={kaggle_venv}",
+                             f"DATA={tmp_path / 'kaggle'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    refused = "make data: no Kaggle API credentials. Create a token on kaggle.com (Settings > API),"
+    assert result.returncode != 0 and "Traceback" not in result.stdout + result.stderr
+    assert (refused in result.stdout.splitlines()) == (credentials is None), result.stdout + result.stderr
+    assert (f"Kaggle CLI {KAGGLE_VERSION}" in result.stdout) == (credentials is not None)
+    if credentials:  # the token checked with an unreachable Kaggle, the fake OAuth file refused: one line each
+        errors = [line for line in result.stderr.splitlines() if line.startswith("cloudseg: error:")]
+        assert len(errors) == 1, result.stderr
+
+
+@needs_make_and_uv
 def test_a_cli_that_does_not_start_is_one_line_with_a_fix_that_works(kaggle_venv, tmp_path, refusing_proxy):
     """six removed, as kaggle 2.2.5 was once installed. Would catch: make data downloading with a
     CLI that does not import, reporting it as a traceback or without the fix, or a fix (the stamp
@@ -127,7 +154,7 @@ sys.exit(main(["download", "--out", sys.argv[2]]))
 
 
 @needs_make_and_uv
-@pytest.mark.parametrize("status, what_to_check", [(401, "check KAGGLE_USERNAME and KAGGLE_KEY"), (403, RULES_URL)])
+@pytest.mark.parametrize("status, what_to_check", [(401, "check KAGGLE_API_TOKEN"), (403, RULES_URL)])
 def test_a_refused_download_is_one_line_that_names_what_to_check(kaggle_venv, tmp_path, refusing_proxy, status,
                                                                   what_to_check):
     """The kaggle library's download answered as Kaggle answers a wrong token (401) or rules not
@@ -181,9 +208,8 @@ def test_no_credentials_is_one_line_not_the_library_s_page_of_help(kaggle_venv, 
     result = subprocess.run([str(kaggle_venv / "bin" / "python"), "-m", "cloudseg", "download", "--out",
                              str(tmp_path / "kaggle")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and result.stdout == ""
-    assert result.stderr.strip() == ("cloudseg: error: no usable Kaggle API credentials: check KAGGLE_USERNAME and "
-                                     "KAGGLE_KEY, or ~/.kaggle/kaggle.json (a new token: kaggle.com > Settings > API > "
-                                     "Create New Token)")
+    assert result.stderr.strip() == f"cloudseg: error: no usable Kaggle API credentials: {CREDENTIALS}"
+    assert "KAGGLE_API_TOKEN" in CREDENTIALS and "kaggle auth login" in CREDENTIALS
 
 
 def write_zip(path: Path, files: dict[str, bytes]) -> Path:
