@@ -16,6 +16,9 @@ model can hope for) and the share of the margin captured, (default − all-empty
 run's rule is tuned again by today's code (`cloudseg tune RUN --out RUN/postprocess.json`, what
 training's last step writes) and the submissions made again, without training.
 
+Two studies side by side on one machine: give each `OMP_NUM_THREADS` = cores / 2 (on 2 cores, two
+trainings of 2 threads each ran 10× slower than two of 1 thread, 2026-11-25).
+
 Usage: python benchmarks/robustness.py [--variants clean|noisy|all|a,b] [--n-train 64] [--n-test 16]
        [--epochs 6] [--out DIR] [--json FILE] [--size H W] [--seed-offset K] [--set key=value ...]
        [--device auto|cpu|cuda] [--retune]
