@@ -93,7 +93,6 @@ def micro_batch_losses(model: torch.nn.Module, images: torch.Tensor, masks: torc
     """Forward one micro-batch under autocast; its per-image losses (the head's included), in fp32 or wider."""
     with autocast(images.device, dtype):
         logits, class_logits = forward_with_classes(model, images)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return per_image_loss(logits, masks, dice_weight, class_logits, cls_weight)
 
 

@@ -19,7 +19,10 @@ def per_image_loss(logits: torch.Tensor, masks: torch.Tensor, dice_weight: float
     The soft Dice is per image and per class, then averaged: smp's DiceLoss pools the batch,
     and a mean of micro-batch pooled Dice losses is not the pooled Dice of the window.
     """
-    target = masks.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: the loss in fp32
+    # 0/1 targets are exact in any dtype; a float32 target beside float64 logits would compute part of the
+    # loss in float32 (1.6e-8 off), and eager and compiled float64 steps 1e-10 apart under torch 2.11
+    target = masks.to(logits.dtype)
     bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none").mean((1, 2, 3))
     probs = logits.sigmoid()
     overlap, total = (probs * target).sum((2, 3)), (probs + target).sum((2, 3))
