@@ -117,7 +117,9 @@ def decode_runs(all_runs: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """
     *masks, height, width = shape
     edges = torch.zeros(math.prod(shape) + 1, dtype=torch.uint8, device=all_runs.device)
-    edges[all_runs[0]] = 1  # starts are distinct, and so are ends
+    # starts are distinct, and so are ends. Not `edges[starts] = 1`: on CUDA, torch < 2.15 copies
+    # that 1 from the host and waits for every queued kernel (an H100 showed it, once per micro-batch)
+    edges.index_fill_(0, all_runs[0], 1)
     edges[all_runs[1]] -= 1  # where a run starts right after another ends, 1 - 1 = 0
     covered = edges.cumsum(0, dtype=torch.uint8)[:-1]
     return covered.view(*masks, width, height).transpose(-1, -2).contiguous()

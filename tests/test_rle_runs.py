@@ -4,9 +4,11 @@ against `rle.decode`, on the CPU: the same torch code runs on a GPU."""
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from cloudseg import rle
 from cloudseg.task import LABELS
+from tests.host_syncs import HostSyncs
 
 
 def special_masks(shape):
@@ -37,3 +39,34 @@ def test_batched_decode_of_runs_equals_rle_decode(seed):
     decoded = rle.decode_runs(rle.concat_runs(runs, masks[0].size), (4, len(LABELS), *shape))
     assert decoded.dtype == torch.uint8 and decoded.is_contiguous()
     np.testing.assert_array_equal(decoded.reshape(masks.shape).numpy(), [rle.decode(text, shape) for text in encoded])
+
+
+def test_decoding_runs_on_a_gpu_waits_for_nothing():
+    """decode_runs on fake CUDA tensors, each operation as this torch dispatches it, under
+    HostSyncs: no host sync. Would catch: `edges[starts] = 1` on a torch that dispatches it as a
+    copy of the 1 from the host (2.11 does: a wait for the queued backward once per micro-batch,
+    so until issue 30), an `.item()` or a boolean mask's selection."""
+    with FakeTensorMode(), HostSyncs() as syncs:
+        runs = torch.zeros(2, 5, dtype=torch.int64, device="cuda")
+        rle.decode_runs(runs, (2, len(LABELS), 4, 6))
+    assert syncs.found == []
+
+
+def test_the_test_can_fail_host_syncs_sees_each_kind_of_host_sync():
+    """The control of the test above, on fake CUDA tensors: a host value written in place into a GPU
+    tensor (what `t[index] = 1` is on torch 2.11), a read on the host, a copy each way, an output
+    sized by the data, are each found; the same work kept on the GPU is not."""
+    with FakeTensorMode(), HostSyncs() as syncs:
+        edges, index = torch.zeros(10, dtype=torch.uint8, device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")
+        edges.index_put_((index,), torch.ones((), dtype=torch.uint8))  # the value on the host
+        edges.index_fill_(0, index, 1)
+        edges.cumsum(0)
+        edges.cpu()
+        torch.zeros(3).to("cuda")
+        with pytest.raises(DynamicOutputShapeException):  # a fake tensor has no data to size the output by
+            edges.nonzero()
+        with pytest.raises(DataDependentOutputException):  # nor a value to read
+            edges.sum().item()
+    assert [why for _, why in syncs.found] == ["a copy between cpu/cuda and cuda", "a copy between cuda and cpu",
+                                               "a copy between cpu and cuda", "an output sized by the GPU's data",
+                                               "a GPU value read on the host"]

@@ -1,0 +1,55 @@
+"""What would make the host wait for a CUDA GPU, found on a CPU: run the code on fake CUDA
+tensors (PyTorch's FakeTensorMode needs no GPU) inside `HostSyncs`, which records each operation
+that torch.cuda.set_sync_debug_mode("error") would refuse on a GPU, as this version of torch
+dispatches it: a value read on the host (`.item()`, `float()`, `.tolist()`, `bool()`), a copy
+between the host and the GPU (`.cpu()`, `.to("cuda")` of a host tensor, an in-place write of a
+host tensor into a GPU one, as `t[index] = 1` is on torch 2.11), and an output whose size depends
+on the data (`nonzero`, a boolean mask's selection, `unique`). tests/test_gpu.py holds it to the
+real sync debug mode on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+# Outputs whose size the host must read from the GPU before it can allocate them.
+DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+                  aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
+
+
+def devices(tree) -> set[str]:
+    return {t.device.type for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records (operation, why) for each host sync the operations inside it would make on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        why = self.why(func, args, kwargs or {})
+        if why:
+            self.found.append((str(func), why))
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def why(func, args, kwargs) -> str | None:
+        inputs = devices((args, kwargs))
+        if func is aten._local_scalar_dense.default and "cuda" in inputs:
+            return "a GPU value read on the host"
+        if func in DATA_DEPENDENT and "cuda" in inputs:
+            return "an output sized by the GPU's data"
+        if func in (aten._to_copy.default, aten.copy_.default, aten.index_put_.default, aten.index_put.default):
+            target = kwargs.get("device") or (args[0].device if func is not aten._to_copy.default else None)
+            source = devices((args[1:], {k: v for k, v in kwargs.items() if k != "device"})) \
+                if func is not aten._to_copy.default else {args[0].device.type}
+            target_type = torch.device(target).type if target is not None else next(iter(source), None)
+            if source and target_type and source != {target_type}:
+                return f"a copy between {'/'.join(sorted(source))} and {target_type}"
+        return None
