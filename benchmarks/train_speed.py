@@ -15,14 +15,14 @@
 
 MFU: images/s × FLOPs per image (cloudseg.flops: forward + backward, counted on meta tensors)
 over the GPU's datasheet dense 16-bit peak; n/a on a CPU or a GPU cloudseg.flops does not list.
-Same model (UNet-ResNet34) and the same synthetic batches for a-g. On CUDA the default is the
-real size (1400x2100, padded 1408x2112, micro-batch 4, effective batch 16). Without CUDA the
-script runs a small size in fp32 without compiled rows, so that it stays testable; its figures
-mean nothing for GPUs. Lightning is optional (`uv pip install -e .[bench]`): without it its rows
+Same model (UNet-ResNet34) and the same synthetic batches for a-g. On CUDA (--device auto where
+there is a GPU) the default is the real size (1400x2100, padded 1408x2112, micro-batch 4,
+effective batch 16). On the CPU the script runs a small size in fp32 without compiled rows, so
+that it stays testable; its figures mean nothing for GPUs. Lightning is optional (`uv pip install -e .[bench]`): without it its rows
 say skipped.
 
-Usage: python benchmarks/train_speed.py [--height H --width W --steps N --precisions bf16 fp16
-       --compiled --backend inductor --profile --json OUT]
+Usage: python benchmarks/train_speed.py [--device auto|cpu|cuda --height H --width W --steps N
+       --precisions bf16 fp16 --compiled --backend inductor --profile --json OUT]
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ from cloudseg.config import load_config
 from cloudseg.data import CloudDataset, build_transform
 from cloudseg.engine import StepContext, train_step
 from cloudseg.flops import peak_flops, step_flops_per_image
-from cloudseg.hardware import AUTOCAST_DTYPES, autocast_dtype, needs_grad_scaler, resolve_precision, speed_switches
+from cloudseg.cli import add_device_option
+from cloudseg.hardware import (AUTOCAST_DTYPES, autocast_dtype, needs_grad_scaler, resolve_device, resolve_precision,
+                               speed_switches)
 from cloudseg.loss import per_image_loss
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.predict import predict_probs
@@ -58,7 +60,7 @@ STEP = {False: "eager", True: "compiled"}  # train.compile
 
 def main() -> None:
     args = parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device
     config = load_config("configs/fullres.yaml", ["model.encoder_weights=null", f"model.encoder={args.encoder}",
                                                   f"train.micro_batch={args.micro_batch}",
                                                   f"train.effective_batch={args.effective_batch}"])
@@ -83,7 +85,7 @@ def main() -> None:
                   f"{KAGGLE_TEST_IMAGES} test images in {human_duration(KAGGLE_TEST_IMAGES / rate[0])} (model time only)")
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"device": device_name(device), "torch": torch.__version__, "args": vars(args),
+            json.dump({"device": device_name(device), "torch": torch.__version__, "args": {**vars(args), "device": str(device)},
                        "flops_per_image": flops, "peak_flops": peak, "rows": rows, "profiles": profiles,
                        "loader_samples_per_s_per_core": loader_rate, "inference": inference_rate}, file, indent=1)
 
@@ -117,30 +119,41 @@ def cloudseg_row(config, batches, args, device, precision, compile, checkpointin
 
 
 def parse_args():
-    cuda = torch.cuda.is_available()
-    native_bf16 = cuda and resolve_precision("auto", torch.device("cuda")) == "bf16"
+    """The options; where one is not given, its default follows --device: the real size, both native
+    16-bit precisions, the compiled rows and the profile on CUDA; a small fp32 run on the CPU."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--height", type=int, default=1400 if cuda else 128)
-    parser.add_argument("--width", type=int, default=2100 if cuda else 192)
+    add_device_option(parser, "the benchmark runs")
+    parser.add_argument("--height", type=int, help="default: 1400 on CUDA, 128 on the CPU")
+    parser.add_argument("--width", type=int, help="default: 2100 on CUDA, 192 on the CPU")
     parser.add_argument("--encoder", default="resnet34")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--effective-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=6 if cuda else 2, help="timed optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=2 if cuda else 1,
-                        help="untimed optimizer steps first (the compiled rows compile in the first)")
+    parser.add_argument("--steps", type=int, help="timed optimizer steps per run (default: 6 on CUDA, 2 on the CPU)")
+    parser.add_argument("--warmup", type=int,
+                        help="untimed optimizer steps first (the compiled rows compile in the first; default 2 / 1)")
     parser.add_argument("--precisions", nargs="+", choices=("bf16", "fp16", "fp32"),
-                        default=["bf16", "fp16"] if native_bf16 else ["fp16"] if cuda else ["fp32"],
-                        help="precisions of rows c, d, e (the first also for f, g)")
-    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=cuda,
-                        help="run the compiled rows (default: with CUDA only; on 2 CPU cores a compile takes minutes)")
+                        help="precisions of rows c, d, e (the first also for f, g; default: bf16 and fp16 where "
+                             "bf16 is native, fp16 on older GPUs, fp32 on the CPU)")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction,
+                        help="run the compiled rows (default: on CUDA only; on 2 CPU cores a compile takes minutes)")
     parser.add_argument("--backend", default=compiled.BACKEND, help="torch.compile backend of the compiled rows")
-    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=cuda,
-                        help="time per op of one eager window in each precision (torch.profiler)")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction,
+                        help="time per op of one eager window in each precision (torch.profiler; default on CUDA)")
     parser.add_argument("--loader-images", type=int, default=8)
     parser.add_argument("--loader-size", type=int, nargs=2, default=(1400, 2100), metavar=("H", "W"),
                         help="image size of the loading benchmark (a CPU measure: full resolution by default)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.device = resolve_device(args.device)
+    cuda = args.device.type == "cuda"
+    native = resolve_precision("auto", args.device)
+    defaults = {"height": 1400 if cuda else 128, "width": 2100 if cuda else 192, "steps": 6 if cuda else 2,
+                "warmup": 2 if cuda else 1, "compiled": cuda, "profile": cuda,
+                "precisions": ["bf16", "fp16"] if native == "bf16" else [native]}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def synthetic_batches(args, device) -> list[dict]:

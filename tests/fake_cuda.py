@@ -12,10 +12,15 @@ runtime does (the memory functions, synchronize, streams), IndexError where torc
 its tuple of generators (the random states). The fake behaves as after CUDA's initialization:
 before it, torch's memory statistics read 0 without checking their argument. It also keeps what
 the GPU path leans on besides memory: streams (the current one per card, `torch.cuda.stream`,
-`synchronize`, `wait_stream`, `Tensor.record_stream`), the sync debug mode (a stream or device
-synchronize raises under "error", as torch's does), and one random state per card (16 bytes:
-seed and offset, as CUDA's Philox generator keeps them), which `torch.manual_seed` seeds.
-`tests/test_gpu.py` compares the fake with the real torch.cuda on a GPU machine.
+`synchronize`, `wait_stream`, `Tensor.record_stream`), the sync debug mode (a stream's
+synchronize raises under "error", as torch's does; `torch.cuda.synchronize()` does not: torch's
+sync debug mode checks stream syncs and copies only, as an H100 showed), and one random state per
+card (16 bytes: seed and offset, as CUDA's Philox generator keeps them), which `torch.manual_seed`
+seeds. `tests/test_gpu.py` compares the fake with the real torch.cuda on a GPU machine.
+
+`present_to_all_but_torch` installs a fake GPU for every test of a CPU machine (tests/conftest.py):
+cloudseg, the tests and the benchmarks then see CUDA as users' machines have it, while torch's own
+modules keep the real answer (see `OutsideTorch`).
 
 No tensor goes to a fake GPU: code under test keeps its tensors on the CPU (the memory planner
 takes its allocator readings through `memory.peak_bytes`, which the tests replace).
@@ -24,6 +29,8 @@ takes its allocator readings through `memory.peak_bytes`, which the tests replac
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -140,8 +147,8 @@ class FakeCuda:
         self.calls.append(("reset_peak_memory_stats", self.position(card)))
 
     def synchronize(self, device=None) -> None:
+        """torch.cuda.synchronize: not checked by the sync debug mode (measured on an H100)."""
         index = self.index(device, True, RuntimeError)
-        self.check_sync()
         self.calls.append(("synchronize", index))
 
     # ------------------------------------------------------------------ streams and host syncs
@@ -263,3 +270,63 @@ class FakeCuda:
         if cuda and any(card.capability < (7, 5) for card in cards):  # as torch does with cuDNN >= 9.11
             monkeypatch.setattr(torch.backends.cudnn, "version", cudnn_refuses_old_gpus)
         return self
+
+
+class OutsideTorch:
+    """What `FakeCuda.install` sets, through `monkeypatch`, answered to callers outside torch alone:
+    a torch.cuda function called from a module of torch itself gives the real answer. So cloudseg,
+    the tests and the benchmarks see a GPU, and torch's internals (the optimizer's check for a
+    CUDA graph capture, dynamo's guards) do not call CUDA's runtime on the fake's word, which would
+    fail on this machine for CPU tensors that a real GPU machine handles without any GPU call. A
+    tensor sent to the fake GPU still fails, as it must: no test may put one there unasked."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def setattr(self, target, name, value, raising=True):
+        real = getattr(target, name, None)
+        if callable(value) and callable(real):
+            value = answer_by_caller(value, real)
+        self.monkeypatch.setattr(target, name, value, raising=raising)
+
+
+_inside_fake = threading.local()
+
+
+def answer_by_caller(fake, real):
+    """`fake` for callers outside torch, and for torch's helpers while a fake runs (the fake's
+    `_get_device_index` asks torch.cuda.current_device); `real` for torch's own calls."""
+
+    def answer(*args, **kwargs):
+        depth = getattr(_inside_fake, "depth", 0)
+        if not depth and sys._getframe(1).f_globals.get("__name__", "").partition(".")[0] == "torch":
+            return real(*args, **kwargs)
+        _inside_fake.depth = depth + 1
+        try:
+            return fake(*args, **kwargs)
+        finally:
+            _inside_fake.depth = depth
+
+    return answer
+
+
+CARDS = {"H100": H100, "A100": A100, "RTX_2080_TI": RTX_2080_TI, "GTX_1080_TI": GTX_1080_TI}
+
+
+class ForGood:
+    """A `monkeypatch` that never undoes: the fake GPU of a whole process."""
+
+    @staticmethod
+    def setattr(target, name, value, raising=True):
+        setattr(target, name, value)
+
+
+def present_to_all_but_torch(card_name: str) -> None:
+    """One GPU of CARDS[card_name] for the rest of this process, seen by everything but torch itself
+    (`OutsideTorch`), with what a CUDA 13 build of PyTorch reports about itself. Once per process:
+    the `fake_cuda` fixture of a test patches over it and restores it."""
+    if getattr(torch.cuda, "fake_gpu", None):
+        return
+    card = CARDS[card_name]
+    FakeCuda([Card(card.name, card.capability, card.total_memory)]).install(OutsideTorch(ForGood()), CU13_ARCHS, "13.0")
+    torch.cuda.fake_gpu = card_name

@@ -23,7 +23,7 @@ def test_train_runs_to_the_end_on_a_dozen_images_with_five_folds(n_images, tmp_p
     run = tmp_path / "run"
     with pytest.warns(UserWarning, match=f"{n_images} images are too few for 5 well-balanced folds"):
         assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}",
-                     "train.epochs=1", "data.num_workers=0", *SMALL_MODEL]) == 0
+                     "train.epochs=1", "data.num_workers=0", "train.device=cpu", *SMALL_MODEL]) == 0
     assert (run / "best.pt").is_file()
     assert pd.read_csv(run / "metrics.csv")["epoch"].tolist() == [1]
     sizes = pd.read_csv(data / FOLDS_CSV)["fold"].value_counts()
