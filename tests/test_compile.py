@@ -22,7 +22,7 @@ from cloudseg.config import ModelConfig, load_config
 from cloudseg.engine import StepContext, micro_batch_losses, resilient_step, train_step, windows
 from cloudseg.model import build_model, prepare_for_training
 from cloudseg.train import train
-from tests.conftest import TINY
+from tests.conftest import TINY, named
 from tests.test_accumulation import CPU, Images
 from tests.test_distributed import OPTIONS as DDP_OPTIONS, torchrun_train, train_one_process
 from tests.test_norm_statistics import NormNet
@@ -36,7 +36,7 @@ def assert_same_state(one: dict, other: dict, **tolerance):
     """Every parameter and buffer (BatchNorm statistics included) of two state dicts."""
     assert one.keys() == other.keys()
     for name, tensor in one.items():
-        torch.testing.assert_close(other[name], tensor, **(tolerance or EXACT), msg=name)
+        torch.testing.assert_close(other[name], tensor, **(tolerance or EXACT), msg=named(name))
 
 
 def test_auto_compiles_with_cuda_only(monkeypatch, caplog):
@@ -232,11 +232,22 @@ def test_cloudseg_train_compiles_with_inductor_on_the_cpu_without_a_graph_break(
     assert_same_state(eager, compiled_run, rtol=1e-8, atol=1e-11)
 
 
+# Compiled against eager on a GPU, float64: the update (new weights less old ones, over all tensors)
+# may differ by this share of its own size. Measured on an H100 (torch 2.11, 2026-11-25, before the
+# loss's float64 target): with SGD, whose update is lr x gradient, 1.4e-9 at most in absolute terms;
+# eager against eager 1e-14. AdamW is left out: it divides by each gradient's root mean square, so
+# gradients near 0 turn summation-order noise into differences of lr itself (3.9e-8, 8 of 132
+# tensors). A defect (a micro-batch weighted wrongly, a gradient lost) moves the update by 1e-3 of
+# its size or more: 1e-6 sits three orders of magnitude from each.
+GPU_UPDATE_RTOL = 1e-6
+
+
 @pytest.mark.gpu  # make test-gpu (skipped without CUDA); inductor compiles Triton kernels: a minute or two
 def test_on_a_gpu_the_compiled_step_has_no_graph_break_and_trains_what_eager_trains():
     """Would catch: a graph break or a recompile that only CUDA shows (cuDNN, autocast,
-    channels_last), and inductor's GPU kernels training other weights than eager (float64,
-    two windows of two micro-batches; looser than on the CPU: other summation orders)."""
+    channels_last), and inductor's GPU kernels training other weights than eager (float64 SGD,
+    two windows of two micro-batches; the update compared relative to its size, as
+    GPU_UPDATE_RTOL explains: other summation orders than the CPU's)."""
     from torch._dynamo.utils import counters
 
     device = torch.device("cuda")
@@ -247,18 +258,24 @@ def test_on_a_gpu_the_compiled_step_has_no_graph_break_and_trains_what_eager_tra
         torch.manual_seed(0)
         model = build_model(ModelConfig(encoder="resnet18", encoder_weights=None, decoder_channels=(8, 8, 8)))
         model = prepare_for_training(model.to(device, model_dtype).train(), channels_last=True, checkpointing="none")
-        ctx = StepContext(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+        before = {name: value.clone() for name, value in model.state_dict().items()}
+        ctx = StepContext(model, torch.optim.SGD(model.parameters(), lr=0.1),
                           torch.amp.GradScaler("cuda", enabled=dtype == torch.float16), device, dtype, compile=compile)
         for window in (batches[:2], batches[2:]):
             train_step(ctx, window)
-        return model.state_dict()
+        return {name: value - before[name] for name, value in model.state_dict().items() if value.is_floating_point()}
 
     torch._dynamo.reset()
     counters.clear()
     try:
         eager, compiled_run = trained(False, None, torch.float64), trained(True, None, torch.float64)
         assert graph_counts() == (1, 0)
-        assert_same_state(eager, compiled_run, rtol=1e-7, atol=1e-9)
+        difference = torch.cat([(eager[name] - compiled_run[name]).flatten() for name in eager]).norm()
+        size = torch.cat([update.flatten() for update in eager.values()]).norm()
+        worst = max(eager, key=lambda name: float((eager[name] - compiled_run[name]).abs().max()))
+        assert difference <= GPU_UPDATE_RTOL * size, (
+            f"compiled update {float(difference):.3g} from eager's of size {float(size):.3g} (allowed "
+            f"{GPU_UPDATE_RTOL:g} of it); most in {worst}: {float((eager[worst] - compiled_run[worst]).abs().max()):.3g}")
         counters.clear()
         trained(True, torch.bfloat16, torch.float32)
         assert graph_counts() == (1, 0)

@@ -17,7 +17,7 @@ from cloudseg.data import EpochSampler
 from cloudseg.model import NORM_STATISTICS
 from cloudseg.engine import windows
 from cloudseg.train import train
-from tests.conftest import TINY
+from tests.conftest import TINY, named
 
 # 24 images in 4 folds: 18 train in windows of 8, 8 and 2. With 2 processes each takes 2
 # micro-batches of 2 per window (so no_sync runs), and in the last window one process gets
@@ -99,7 +99,7 @@ def test_two_processes_train_the_same_parameters_and_statistics_as_one(data_copy
         assert tensor.dtype in (torch.float64, torch.int64), name
         # With the head, running means near 0 come out ~1e-11 apart (float64 sums in another
         # order); the planted bugs below move parameters by more than 1e-4.
-        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-9, atol=1e-10 if head else 1e-12, msg=name)
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-9, atol=1e-10 if head else 1e-12, msg=named(name))
     a, b = pd.read_csv(tmp_path / "one/metrics.csv"), pd.read_csv(tmp_path / "two/metrics.csv")
     assert b["train_loss"].tolist() == pytest.approx(a["train_loss"].tolist(), rel=1e-9)
     assert b["dice"].tolist() == pytest.approx(a["dice"].tolist(), abs=1e-9)  # validation saw one model
@@ -119,7 +119,7 @@ def test_two_processes_measure_the_ema_s_batchnorm_statistics_as_one(data_copy, 
     statistics = [name for name in one if name.rsplit(".", 1)[-1] in NORM_STATISTICS]
     assert statistics
     for name in statistics:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(two[name], one[name], rtol=1e-9, atol=1e-12, msg=named(name))
 
 
 def test_swa_after_two_processes_is_the_swa_after_one(data_copy, tmp_path):
@@ -133,7 +133,7 @@ def test_swa_after_two_processes_is_the_swa_after_one(data_copy, tmp_path):
     one, two = load_checkpoint(tmp_path / "one/best.pt"), load_checkpoint(tmp_path / "two/best.pt")
     assert one["swa"]["epochs"] == two["swa"]["epochs"] == [1, 2]
     for name, tensor in one["model"].items():
-        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-9, atol=1e-12, msg=named(name))
 
 
 @pytest.mark.parametrize("rank, expected", [(0, [0, 1, 2, 6, 7, 8]), (1, [3, 4, 5, 9])])

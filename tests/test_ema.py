@@ -11,7 +11,7 @@ from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.model import build_model
 from cloudseg.train import Interrupted, train
-from tests.conftest import TINY, signal_during, stem_norm_statistics
+from tests.conftest import TINY, signal_during, stem_norm_statistics, named
 
 DECAY = 0.6
 OPTIONS = [*TINY, f"train.ema={DECAY}"]  # 16 training images, windows of 2 micro-batches of 2: 4 steps an epoch
@@ -35,8 +35,8 @@ def test_the_average_is_of_the_weights_after_each_step_and_is_what_best_pt_holds
     for weights in seen[1:]:
         expected = {k: DECAY * expected[k] + (1 - DECAY) * weights[k] for k in expected}
     for name, value in expected.items():
-        torch.testing.assert_close(last["model"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-        torch.testing.assert_close(last["training_model"][name], seen[-1][name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(last["model"][name], value, rtol=1e-5, atol=1e-6, msg=named(name))
+        torch.testing.assert_close(last["training_model"][name], seen[-1][name], rtol=0, atol=0, msg=named(name))
     head = "unet.segmentation_head.0.weight"
     assert not torch.equal(last["model"][head], last["training_model"][head])
 

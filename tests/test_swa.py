@@ -10,7 +10,7 @@ from cloudseg.cli import main
 from cloudseg.config import load_config
 from cloudseg.model import build_model
 from cloudseg.swa import chosen_epochs, epoch_path
-from tests.conftest import TINY, stem_norm_statistics
+from tests.conftest import TINY, stem_norm_statistics, named
 
 
 def test_swa_averages_the_weights_and_measures_batchnorm_again(data_copy, tmp_path):
@@ -40,7 +40,7 @@ def test_swa_averages_the_weights_and_measures_batchnorm_again(data_copy, tmp_pa
                  "--device", "cpu"]) == 0
     written = load_checkpoint(tmp_path / "swa.pt")["model"]
     for name, value in best["model"].items():
-        torch.testing.assert_close(written[name], value, msg=name)
+        torch.testing.assert_close(written[name], value, msg=named(name))
 
 
 def test_more_epochs_to_average_than_the_run_has_is_one_line():
