@@ -4,6 +4,7 @@ before any step. The graphs are built on fake CUDA tensors (no GPU needed); test
 a deterministic step of each architecture on a real one."""
 
 import re
+import signal
 import typing
 
 import pytest
@@ -16,7 +17,7 @@ from cloudseg.config import ModelConfig, load_config
 from cloudseg.hardware import NO_DETERMINISTIC_CUDA_BACKWARD, nondeterministic_cuda_backward, require_deterministic_kernels
 from cloudseg.model import CloudNet, build_model
 from cloudseg.task import LABELS
-from tests.conftest import TINY, TINY_SHAPE
+from tests.conftest import TINY, TINY_SHAPE, signal_during
 from tests.fake_cuda import H100
 
 GPU0 = torch.device("cuda", 0)
@@ -158,3 +159,19 @@ def test_training_refuses_before_the_model_reaches_the_gpu(fake_cuda, monkeypatc
                                                "train.deterministic=true"])
     with pytest.raises(ValueError, match=r"interpolate \(nearest\)"):
         train_module.training_model(config, TINY_SHAPE, GPU0)
+
+
+def test_the_check_s_forward_on_fake_tensors_is_not_a_training_forward_for_signal_during():
+    """tests' signal_during counts training forwards to stop a run mid-window; the check above
+    runs the model once on fake tensors before any step. Would catch: that forward counted (on a
+    GPU the deterministic resume test then stopped a window early, so until issue 30)."""
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        model = signal_during(tiny_model("unet"), 1, signal.SIGUSR1)
+        nondeterministic_cuda_backward(model, TINY_SHAPE)
+        assert received == []
+        model(torch.zeros(1, 3, *TINY_SHAPE, dtype=torch.uint8))
+        assert received == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
