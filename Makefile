@@ -36,11 +36,17 @@ SUBMISSION ?= submission.csv
 # make test-gpu: the tests marked gpu, on a CUDA GPU (make test leaves them out; test-all skips them without one).
 TEST_WORKERS ?= auto
 
+# make test-oldest: the suite on the oldest PyTorch that pyproject.toml allows (its torch>= and
+# torchvision>=), in .venv-oldest, every other package at its pin but setuptools (torch 2.11 wants <82).
+OLDEST_VENV := .venv-oldest
+TORCH_FLOOR := $(shell sed -n 's/.*"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+TORCHVISION_FLOOR := $(shell sed -n 's/.*"torchvision>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+
 # make cv / make submit: one run per fold under CV_DIR, tuned together.
 FOLDS   ?= 0 1 2 3 4
 CV_DIR  ?= runs/cv
 
-.PHONY: help install test test-all test-gpu bench lock clean train predict data cv tune submit tensorboard notebooks lab
+.PHONY: help install test test-all test-gpu test-oldest bench lock clean train predict data cv tune submit tensorboard notebooks lab
 
 help:
 	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
@@ -58,6 +64,7 @@ help:
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
 	@echo "make test-gpu  on a CUDA GPU: the tests marked gpu (mixed precision, predict, memory, resume; a few minutes)"
+	@echo "make test-oldest  the fast suite on the oldest PyTorch pyproject.toml allows (torch $(TORCH_FLOOR), in $(OLDEST_VENV))"
 	@echo "make bench     print benchmark tables (RLE codec, tuning, training and inference speed, segment)"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
 
@@ -94,6 +101,14 @@ test-gpu: $(STAMP)
 	  echo "make test-gpu: needs a CUDA GPU, and PyTorch sees none here (cloudseg doctor says why)"; exit 1; }
 	$(PY) -m pytest -n 0 -m gpu
 
+test-oldest: | $(UV)
+	$(UV) venv -q --allow-existing --python $(PYTHON) $(OLDEST_VENV)
+	grep -vE '$(TORCH_PINS)|^setuptools==' requirements.txt > $(OLDEST_VENV)/requirements-without-torch.txt
+	$(UV) pip install -q --python $(OLDEST_VENV)/bin/python "torch==$(TORCH_FLOOR).*" \
+	  "torchvision==$(TORCHVISION_FLOOR).*" -r $(OLDEST_VENV)/requirements-without-torch.txt -e '.[dev,geo]'
+	$(OLDEST_VENV)/bin/python -c "import torch; print('make test-oldest: torch', torch.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal
+
 bench: $(STAMP)
 	$(PY) benchmarks/rle_speed.py
 	$(PY) benchmarks/tune_speed.py
@@ -104,7 +119,7 @@ lock: | $(UV)
 	$(UV) pip compile -q pyproject.toml --extra dev --extra geo --python-version 3.11 -o requirements.txt
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) .tools .pytest_cache
 
 train: $(STAMP)
 	@if [ -d "$(DATA)" ]; then \

@@ -39,9 +39,11 @@ import cv2
 import torch
 import torchvision
 
+from cloudseg.cli import add_device_option
 from cloudseg.config import DataConfig, load_config
 from cloudseg.data import CloudDataset, EpochSampler, build_transform, collate, make_loader
 from cloudseg.decode import decode_batch
+from cloudseg.hardware import resolve_device
 from cloudseg.synth import synthesize
 
 CPU_ROW, WORKERS_ROW = "cpu mode: decode + augment in the workers", "gpu mode: the workers' share (bytes, runs, draws)"
@@ -52,8 +54,8 @@ def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)  # torchvision 0.29 deprecates it
     warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)  # more workers than cores: on purpose
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory() as folder:
         synthesize(folder, n_train=args.n, n_test=1, height=args.height, width=args.width, seed=1)
         rows = {
@@ -82,6 +84,7 @@ def parse_args():
     parser.add_argument("--workers", type=int, nargs="+", help="DataLoader worker counts (default 1 2 4 8, up to the cores)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3, help="timed passes (after one warm-up pass)")
+    add_device_option(parser, "the batches are delivered")
     args = parser.parse_args()
     args.workers = args.workers or [count for count in (1, 2, 4, 8) if count <= (os.cpu_count() or 1)]
     return args
@@ -152,7 +155,7 @@ def image_difference(folder, device) -> tuple[int, float]:
 
 
 def header(args, cuda: bool) -> str:
-    machine = torch.cuda.get_device_name() + ", " if cuda else ""
+    machine = torch.cuda.get_device_name() + ", " if cuda else ""  # the current GPU: the one --device cuda takes
     steps = ", ".join(f"{name} {p}" for name, p in AUGMENT.items() if p)
     return (f"{machine}CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch "
             f"{torch.__version__}, torchvision {torchvision.__version__}, {time.strftime('%Y-%m-%d')}: "

@@ -44,6 +44,7 @@ def test_notebooks_execute_on_a_tiny_synthetic_dataset(tiny_data, tmp_path, monk
     monkeypatch.setenv("CLOUDSEG_DATA", str(data))
     monkeypatch.setenv("CLOUDSEG_RUN", str(run))
     monkeypatch.setenv("CLOUDSEG_SEGMENT_OUT", str(tmp_path / "segment"))  # 03_segment's scenes and maps
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # on the CPU, as TINY trains: the kernel's `auto` sees no GPU
     for path in NOTEBOOKS:
         executed = nbformat.read(execute(path, out_dir=tmp_path / "executed"), as_version=4)
         outputs = [o for cell in executed.cells for o in cell.get("outputs", [])]

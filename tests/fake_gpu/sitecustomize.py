@@ -34,5 +34,6 @@ class AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("CLOUDSEG_FAKE_GPU", "none") != "none":
+# CUDA_VISIBLE_DEVICES="" hides every GPU from torch: the fake one too.
+if os.environ.get("CLOUDSEG_FAKE_GPU", "none") != "none" and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
     sys.meta_path.insert(0, AfterTorch())
