@@ -78,7 +78,7 @@ def quantize(probs) -> np.ndarray:
     return np.clip(np.rint(np.asarray(probs, np.float32) * 255), 0, 255).astype(np.uint8)
 
 
-def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), top_k: int = TOP_K,
+def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), *, top_k: int = TOP_K,
                 gate_on=RULE_DEFAULTS["gate_on"], classes8: np.ndarray | None = None,
                 force_label: float | None = None, box=RULE_DEFAULTS["box"]) -> np.ndarray:
     """(N, 4, H, W) probabilities (float or uint8) -> uint8 masks by the rule above; `classes8`:
@@ -102,8 +102,8 @@ def postprocess(probs, thresholds, min_areas, gates=(0.0,) * len(LABELS), top_k:
 
 def apply_rule(probs8: np.ndarray, rule: dict, classes8: np.ndarray | None = None) -> np.ndarray:
     """`postprocess` by a whole rule, as `search_rule` returns it and `read_rule_file` reads it."""
-    return postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], rule["top_k"], rule["gate_on"], classes8,
-                       rule["force_label"], rule["box"])
+    return postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k=rule["top_k"],
+                       gate_on=rule["gate_on"], classes8=classes8, force_label=rule["force_label"], box=rule["box"])
 
 
 def gate_scores(probs8: np.ndarray, classes8: np.ndarray | None, gate_on, top_k: int = TOP_K) -> np.ndarray:
@@ -179,7 +179,7 @@ CHUNK = 16  # images per connected-components call (about 30 MB of temporaries a
 
 
 def grid_scores(probs8: np.ndarray, truth: np.ndarray, thresholds=THRESHOLDS, min_areas=MIN_AREAS,
-                gates=GATES, top_k: int = TOP_K, gate_values: np.ndarray | None = None) -> np.ndarray:
+                gates=GATES, *, top_k: int = TOP_K, gate_values: np.ndarray | None = None) -> np.ndarray:
     """Mean Dice of one class over N images for every (threshold, min area, gate): shape (T, A, G).
 
     probs8: (N, H, W) uint8; truth: (N, H, W) bool or integer (nonzero = the class). Each cell equals

@@ -141,7 +141,7 @@ def _sugar(rng, height, width, unit):  # Sugar: faint fine horizontal streaks
 TEXTURES = {"Fish": _stripes, "Flower": _flowers, "Gravel": _gravel, "Sugar": _sugar}
 
 
-def synthetic_scene(path, rows: int = 2, columns: int = 3, shape=(192, 288), west: float = -58.0,
+def synthetic_scene(path, rows: int = 2, columns: int = 3, shape=(192, 288), *, west: float = -58.0,
                     north: float = 15.0, degrees_per_pixel: float = 0.01, when: str = "2020:02:02 14:00:00",
                     seed: int = 0) -> tuple[Path, np.ndarray]:
     """A georeferenced satellite scene for `cloudseg segment`: rows×columns synthetic images of

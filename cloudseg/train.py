@@ -44,7 +44,7 @@ from cloudseg.metrics import dice, resize_masks, summarize
 from cloudseg.model import (CloudNet, build_model, load_weights, prepare_for_training, set_checkpointing, train_mode,
                             unwrapped)
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
-from cloudseg.postprocess import RULE_FILE, TOP_K, postprocess, quantize, write_rule_file
+from cloudseg.postprocess import RULE_FILE, TOP_K, apply_rule, quantize, write_rule_file
 from cloudseg.predict import batch_probabilities
 from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
 from cloudseg.swa import average_checkpoints, chosen_epochs, epoch_path, recompute_norm_statistics
@@ -347,8 +347,7 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
         probs8, truth = quantize(probs.submission.cpu().numpy()), resize_masks(masks).cpu().numpy()
         classes8 = None if probs.classes is None else quantize(probs.classes.cpu().numpy())
         rule = config.predict
-        pair_dice.append(dice(postprocess(probs8, rule.threshold, rule.min_area, rule.gate, TOP_K, rule.gate_on, classes8,
-                                          rule.force_label, rule.box), truth))
+        pair_dice.append(dice(apply_rule(probs8, {**rule.model_dump(), "top_k": TOP_K}, classes8), truth))
         search.add(probs8, truth, classes8)
     losses, pair_dice, (search, *others) = (distributed.gathered(x) for x in (losses, pair_dice, [search]))
     search.merge(others)

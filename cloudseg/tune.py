@@ -73,8 +73,8 @@ def search_boxes(probs8, truth, rule: dict, classes8=None, top_k: int = TOP_K, p
     classes' mean gain as the grid's choice is (see PRIOR_IMAGES), must be above zero. Returns the
     choice per class and the mean Dice with it ({"mean": ..., label: ...})."""
     def class_dice(box):
-        masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k, rule["gate_on"], classes8,
-                            box=box)
+        masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k=top_k,
+                            gate_on=rule["gate_on"], classes8=classes8, box=box)
         return np.asarray(dice(masks, truth)).mean(0)
 
     shapes, boxes = class_dice([False] * len(LABELS)), class_dice([True] * len(LABELS))
@@ -90,8 +90,8 @@ def search_force_label(probs8, truth, rule: dict, classes8=None, top_k: int = TO
     """The threshold of the at-least-one-label option (postprocess.force_one_label) that most raises
     the mean Dice over these images under `rule`, or None when none raises it; and that mean Dice
     ({"mean": ..., label: ...}). Only images the rule leaves empty change, each in one class."""
-    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k, rule["gate_on"], classes8,
-                        box=rule.get("box", RULE_DEFAULTS["box"]))
+    masks = postprocess(probs8, rule["threshold"], rule["min_area"], rule["gate"], top_k=top_k, gate_on=rule["gate_on"],
+                        classes8=classes8, box=rule.get("box", RULE_DEFAULTS["box"]))
     pair = np.asarray(dice(masks, truth))
     empty = np.flatnonzero(~masks.any(axis=(1, 2, 3)))
     gains = np.zeros(len(thresholds))

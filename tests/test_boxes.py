@@ -48,7 +48,7 @@ def test_boxes_apply_per_class_after_the_minimum_area_and_never_open_a_closed_ga
         np.testing.assert_array_equal(masks[c], boxed)
     for c in (1, 3):
         np.testing.assert_array_equal(masks[c], (plane > 0) & (np.arange(6)[:, None] < 3))
-    closed = postprocess(probs8, ALL, NONE, [0.99] * 4, 3, box=[True] * 4)
+    closed = postprocess(probs8, ALL, NONE, [0.99] * 4, top_k=3, box=[True] * 4)
     assert closed.sum() == 0
 
 

@@ -161,9 +161,9 @@ def test_predict_compiles_one_graph_for_every_batch_and_predicts_what_eager_pred
     run = tmp_path / "run"
     assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data_copy}", *SMALL,
                  "train.epochs=1"]) == 0
-    real_postprocess, probabilities = predict_module.postprocess, []
-    monkeypatch.setattr(predict_module, "postprocess",
-                        lambda probs, *args: probabilities.append(probs) or real_postprocess(probs, *args))
+    real_apply_rule, probabilities = predict_module.apply_rule, []
+    monkeypatch.setattr(predict_module, "apply_rule",
+                        lambda probs, *args: probabilities.append(probs) or real_apply_rule(probs, *args))
 
     def predicted(compile):
         probabilities.clear()

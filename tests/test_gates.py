@@ -23,19 +23,19 @@ def test_the_head_gate_reads_each_class_s_own_head_probability():
     by hand: (top-k mean 200/255 + head)/2 is 0.88 and 0.41 for the two kinds. Would catch: the
     head read for another class (e.g. reversed), or the score not the mean of the two."""
     probs8, heads = uniform([200] * 4), np.array([[250, 10, 250, 10]], np.uint8)
-    head = postprocess(probs8, ALL, NONE, [0.5] * 4, 48, ["head"] * 4, heads)
+    head = postprocess(probs8, ALL, NONE, [0.5] * 4, top_k=48, gate_on=["head"] * 4, classes8=heads)
     assert head[0].any(axis=(1, 2)).tolist() == [True, False, True, False]
     score = (200 / 255 + np.array([250, 10, 250, 10]) / 255) / 2  # 0.882, 0.412
     for gate, kept in ((0.41, [True] * 4), (0.42, [True, False, True, False]), (0.89, [False] * 4)):
-        masks = postprocess(probs8, ALL, NONE, [gate] * 4, 48, ["score"] * 4, heads)
+        masks = postprocess(probs8, ALL, NONE, [gate] * 4, top_k=48, gate_on=["score"] * 4, classes8=heads)
         assert masks[0].any(axis=(1, 2)).tolist() == kept, (gate, score)
-    mixed = postprocess(probs8, ALL, NONE, [0.5] * 4, 48, ["top_k", "head", "top_k", "head"], heads)
+    mixed = postprocess(probs8, ALL, NONE, [0.5] * 4, top_k=48, gate_on=["top_k", "head", "top_k", "head"], classes8=heads)
     assert mixed[0].any(axis=(1, 2)).tolist() == [True, False, True, False]
 
 
 def test_a_head_gate_without_head_probabilities_is_refused_in_one_line():
     with pytest.raises(ValueError, match="need the classification head's probabilities"):
-        postprocess(uniform([200] * 4), ALL, NONE, [0.5] * 4, 48, ["head"] * 4, None)
+        postprocess(uniform([200] * 4), ALL, NONE, [0.5] * 4, top_k=48, gate_on=["head"] * 4, classes8=None)
     with pytest.raises(ValueError, match="names the classification head's gate, and this model has no head"):
         RuleSearch({"threshold": ALL, "min_area": NONE, "gate": NONE, "gate_on": ["score"] * 4})
 
@@ -60,7 +60,8 @@ def test_the_grid_with_gate_scores_equals_postprocess_cell_by_cell():
         classes8 = np.zeros((5, 4), np.uint8)
         classes8[:, 1] = heads
         kind = ("top_k", "head", "score")[k]
-        masks = postprocess(stacked, [thresholds[t]] * 4, [areas[a]] * 4, [gates[g]] * 4, 20, [kind] * 4, classes8)
+        masks = postprocess(stacked, [thresholds[t]] * 4, [areas[a]] * 4, [gates[g]] * 4, top_k=20, gate_on=[kind] * 4,
+                            classes8=classes8)
         assert value == pytest.approx(np.mean(dice(masks[:, 1], truth)), abs=1e-12), (t, a, g, kind)
 
 

@@ -72,7 +72,7 @@ def test_grid_scores_equal_brute_force_on_tricky_maps_and_any_truth_type():
     assert len(np.unique(expected.round(9))) > 20  # the brute force does tell rules apart
     for as_type in (lambda t: t, lambda t: t.astype(np.uint8), lambda t: t.astype(np.uint8) * 255,
                     lambda t: t.astype(np.int64)):
-        scores = grid_scores(probs8, as_type(truth), THRESHOLDS, MIN_AREAS, GATES, TOP_K_SMALL)
+        scores = grid_scores(probs8, as_type(truth), THRESHOLDS, MIN_AREAS, GATES, top_k=TOP_K_SMALL)
         np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-12)
 
 
@@ -85,7 +85,7 @@ def test_grid_scores_equal_brute_force_on_smooth_maps_with_blobs():
     truth[::3] = False
     thresholds, areas = (0.2, 0.35, 0.5, 0.55, 0.62, 0.8), (0, 5, 30, 120, 400)
     expected = reference_scores(probs8, truth, thresholds, areas, GATES, TOP_K_SMALL)
-    np.testing.assert_allclose(grid_scores(probs8, truth, thresholds, areas, GATES, TOP_K_SMALL), expected,
+    np.testing.assert_allclose(grid_scores(probs8, truth, thresholds, areas, GATES, top_k=TOP_K_SMALL), expected,
                                rtol=0, atol=1e-12)
 
 
