@@ -301,14 +301,16 @@ def run_predict(args) -> None:
 
 def run_segment(args) -> int:
     from cloudseg.geo import TIME_PATTERN
-    from cloudseg.segment import segment
+    from cloudseg.segment import OVERLAP, SegmentOptions, segment
 
     if args.overlap is not None and not 0 <= args.overlap < 1:
         raise ValueError(f"--overlap must be at least 0 and below 1, got {args.overlap}")
     overrides = [item for item in args.scenes if re.match(r"\w+(\.\w+)+=", item)]  # both come as positionals
     scenes = [item for item in args.scenes if item not in overrides]
-    failed = segment(scenes, args.checkpoint, args.out, args.tile, args.overlap, args.grid,
-                     args.time_pattern or TIME_PATTERN, args.postprocess, overrides, args.device)
+    options = SegmentOptions(args.tile and tuple(args.tile), OVERLAP if args.overlap is None else args.overlap,
+                             args.grid, args.time_pattern or TIME_PATTERN)
+    failed = segment(scenes, args.checkpoint, args.out, options, postprocess_file=args.postprocess,
+                     overrides=overrides, device=args.device)
     return min(failed, 100)  # the exit status: how many scenes failed (100 for 100 or more)
 
 

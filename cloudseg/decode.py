@@ -149,7 +149,7 @@ def decode_batch(batch: dict, device: torch.device | str) -> dict:
     if not isinstance(batch.get("image"), list):
         return batch
     device = torch.device(device)
-    images = _decode_all(batch["image"], batch["image_id"], device)
+    images = decode_jpegs(batch["image"], batch["image_id"], device)
     size, count = images[0].shape[-2:], len(images)
     masks = [None] * count
     if "runs" in batch:
@@ -170,7 +170,7 @@ def decode_batch(batch: dict, device: torch.device | str) -> dict:
 _OUT_OF_MEMORY = re.compile(r"out of memory|:\s*5\s*$", re.IGNORECASE | re.MULTILINE)
 
 
-def _decode_all(data: list[torch.Tensor], image_ids: list[str], device: torch.device) -> list[torch.Tensor]:
+def decode_jpegs(data: list[torch.Tensor], image_ids: list[str], device: torch.device) -> list[torch.Tensor]:
     """Decode in one batched call; on failure, find the image that cannot be decoded and name it.
     Out of memory is raised as torch.cuda.OutOfMemoryError, which the training step's retry
     catches (engine.resilient_step), as it catches the model's.

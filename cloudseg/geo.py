@@ -14,16 +14,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import math
 import re
+import threading
 from pathlib import Path
 
 import cv2
 import numpy as np
 import torch
 
-from cloudseg.data import read_image
+from cloudseg.data import read_image, read_jpeg_bytes
+from cloudseg.decode import decode_jpegs
 from cloudseg.files import atomic_path
-from cloudseg.predict import no_data
+from cloudseg.syncs import named_sync
 from cloudseg.task import LABELS
 
 GEOTIFF_SUFFIXES = (".tif", ".tiff")
@@ -47,20 +50,31 @@ def geo_module(name: str):
 
 
 class ImageScene:
-    """A JPEG or PNG scene, decoded whole (neither format can be read by windows)."""
+    """A JPEG or PNG scene, decoded whole (neither format can be read by windows): on the GPU
+    where `device` is one and the scene a JPEG (nvJPEG, stream-safe as training's decode), else
+    by OpenCV. `pixels` is 3×H×W uint8 RGB on that device."""
 
     crs = transform = None
     tags: dict = {}
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, device: torch.device | str = "cpu"):
         self.path = path
-        self.image = read_image(path) if path.suffix.lower() in (".jpg", ".jpeg") else read_png(path)
-        self.height, self.width = self.image.shape[:2]
+        jpeg = path.suffix.lower() in (".jpg", ".jpeg")
+        if jpeg and torch.device(device).type == "cuda":
+            self.pixels = decode_jpegs([torch.from_numpy(read_jpeg_bytes(path))], [str(path)], torch.device(device))[0]
+        else:
+            self.pixels = torch.from_numpy(read_image(path) if jpeg else read_png(path)).permute(2, 0, 1)
+        self.height, self.width = self.pixels.shape[1:]
 
-    def read(self, top: int, left: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The window's 3×h×w uint8 RGB pixels and its h×w valid mask (False on no-data)."""
-        pixels = np.ascontiguousarray(self.image[top:top + height, left:left + width].transpose(2, 0, 1))
-        return pixels, valid_pixels(pixels)
+    @property
+    def image(self) -> np.ndarray:
+        """H×W×3 uint8 RGB on the host (a copy from the GPU once, for the overlay)."""
+        return self.pixels.permute(1, 2, 0).cpu().numpy()
+
+    def read(self, top: int, left: int, height: int, width: int) -> tuple[torch.Tensor, None]:
+        """The window's 3×h×w uint8 RGB pixels (a view, on the scene's device) and no mask of the
+        file's own (no-data is black, see `segment`)."""
+        return self.pixels[:, top:top + height, left:left + width], None
 
     def close(self) -> None:
         pass
@@ -85,11 +99,6 @@ def check_pixels(path: Path, bands: int, dtype) -> None:
                          "gdal_translate -ot Byte -scale MIN MAX 0 255 (the range your visible-light images span)")
 
 
-def valid_pixels(pixels: np.ndarray) -> np.ndarray:
-    """h×w: False where the 3×h×w window is black no-data (predict.no_data's rule)."""
-    return ~no_data(torch.from_numpy(pixels)[None])[0, 0].numpy()
-
-
 class GeoTiffScene:
     """A GeoTIFF scene read window by window (memory bounded by the window, not the scene).
     No-data: the file's nodata value, mask or alpha band (GDAL's dataset mask), and black pixels."""
@@ -109,14 +118,32 @@ class GeoTiffScene:
         self.height, self.width = self.dataset.height, self.dataset.width
         self.crs, self.transform = self.dataset.crs, self.dataset.transform
         self.tags = self.dataset.tags()
+        all_valid = geo_module("rasterio.enums").MaskFlags.all_valid
+        self.masked = any(flags != [all_valid] for flags in self.dataset.mask_flag_enums)
+        self.handles, self.local, self.lock = [self.dataset], threading.local(), threading.Lock()
+        self.local.dataset = self.dataset
 
-    def read(self, top: int, left: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, top: int, left: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The window's 3×h×w uint8 RGB pixels and, where the file marks no-data (a nodata value,
+        a mask or alpha band: GDAL's dataset mask), its h×w mask of valid pixels (else None). Any
+        thread: each reads through a GDAL handle of its own (one handle is not safe to share)."""
+        dataset = getattr(self.local, "dataset", None) or self.opened()
         window = geo_module("rasterio.windows").Window(left, top, width, height)
-        pixels = self.dataset.read((1, 2, 3), window=window)
-        return pixels, valid_pixels(pixels) & (self.dataset.dataset_mask(window=window) > 0)
+        pixels = torch.from_numpy(dataset.read((1, 2, 3), window=window))
+        if not self.masked:
+            return pixels, None
+        return pixels, torch.from_numpy(dataset.dataset_mask(window=window) > 0)
+
+    def opened(self):
+        """This thread's own handle on the file, opened now."""
+        self.local.dataset = geo_module("rasterio").open(self.path)
+        with self.lock:
+            self.handles.append(self.local.dataset)
+        return self.local.dataset
 
     def close(self) -> None:
-        self.dataset.close()
+        for dataset in self.handles:
+            dataset.close()
 
 
 def one_line(error: Exception) -> str:
@@ -124,13 +151,14 @@ def one_line(error: Exception) -> str:
 
 
 @contextlib.contextmanager
-def open_scene(path: str | Path):
-    """An ImageScene or GeoTiffScene by the file's suffix; errors name the file."""
+def open_scene(path: str | Path, device: torch.device | str = "cpu"):
+    """An ImageScene (decoded on `device` where it can be) or GeoTiffScene by the file's suffix;
+    errors name the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: scene not found")
     if path.suffix.lower() not in GEOTIFF_SUFFIXES:
-        yield ImageScene(path)
+        yield ImageScene(path, device)
         return
     with geo_module("rasterio").Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
         scene = GeoTiffScene(path)
@@ -161,12 +189,53 @@ def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.dateti
 # ---------------------------------------------------------------------------------- writing
 
 
-def output_bands(probs: np.ndarray, masks: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """8×h×w uint8: the four probabilities as p x 254 rounded, then the four masks (0/1); NODATA
-    (255) in every band where the scene had no data."""
-    bands = np.concatenate([np.rint(probs * (NODATA - 1)).astype(np.uint8), masks.astype(np.uint8)])
-    bands[:, ~valid] = NODATA
-    return bands
+def output_bands(probs: torch.Tensor, valid: torch.Tensor, thresholds) -> tuple[np.ndarray, np.ndarray]:
+    """Blended rows as they are written, on the host: (8×n×W uint8 bands, int64 counts).
+
+    The bands: the four probabilities as p × 254 rounded, then the four masks (0/1), a class's mask
+    where its probability quantized as the tuned rule quantizes it (p × 255 rounded) is above its
+    threshold × 255; NODATA (255) in every band where the scene had no data. The counts: the valid
+    pixels, then each class's mask pixels among them. `probs` (4×n×W float32) and `valid` (n×W
+    bool) stay where they are: on a CUDA device the bands and counts are made there and copied
+    (one host sync), on the CPU OpenCV makes them (one vectorised pass each, 8× NumPy's speed)."""
+    above = [math.floor(threshold * 255) for threshold in thresholds]  # q > t·255 ⇔ q > ⌊t·255⌋ for integers q
+    if probs.device.type == "cpu":
+        return _output_bands_opencv(probs.numpy(), valid.numpy(), above)
+    return _output_bands_torch(probs, valid, above)
+
+
+def _output_bands_opencv(probs: np.ndarray, valid: np.ndarray, above: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    valid8 = valid.view(np.uint8)  # 1 on the data
+    off_data = cv2.compare(valid8, 0, cv2.CMP_EQ)  # 255 off it
+    bands = np.empty((2 * len(LABELS), *valid.shape), np.uint8)
+    counts = [cv2.countNonZero(valid8)]
+    for label, (plane, level) in enumerate(zip(probs, above)):
+        probability, mask = bands[label], bands[len(LABELS) + label]
+        cv2.convertScaleAbs(plane, probability, alpha=NODATA - 1)  # rounds to nearest even, as np.rint
+        cv2.bitwise_and(cv2.compare(cv2.convertScaleAbs(plane, alpha=255), level, cv2.CMP_GT), valid8, mask)
+        counts.append(cv2.countNonZero(mask))
+        cv2.bitwise_or(probability, off_data, probability)
+        cv2.bitwise_or(mask, off_data, mask)
+    return bands, np.array(counts, np.int64)
+
+
+def _output_bands_torch(probs: torch.Tensor, valid: torch.Tensor, above: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    quantized = (probs * 255).round_().clamp_(max=255).to(torch.uint8)  # saturated, as quantize and OpenCV
+    masks = torch.stack([quantized[label] > level for label, level in enumerate(above)]) & valid
+    bands = torch.cat([(probs * (NODATA - 1)).round_().to(torch.uint8), masks.to(torch.uint8)])
+    counts = torch.cat([valid.sum().view(1), masks.sum((1, 2))])
+    return to_host(bands.masked_fill_(~valid, NODATA), counts)
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """The tensors as NumPy arrays; from a GPU through pinned memory, all with one host sync."""
+    if tensors[0].device.type != "cuda":
+        return tuple(tensor.numpy() for tensor in tensors)
+    host = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+            for tensor in tensors]
+    with named_sync("segment rows", tensors[0].device):
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return tuple(tensor.numpy() for tensor in host)
 
 
 # Rows of a strip of the output GeoTIFF: rows arrive a band at a time, so strips (not tiles) are
@@ -182,7 +251,7 @@ def geotiff_writer(path: Path, scene: GeoTiffScene):
     rasterio = geo_module("rasterio")
     profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(BAND_NAMES), dtype="uint8",
                    crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
-                   compress="deflate", zlevel=1, BIGTIFF="IF_SAFER")
+                   compress="deflate", zlevel=1, num_threads="ALL_CPUS", BIGTIFF="IF_SAFER")
     with atomic_path(path) as tmp, rasterio.open(tmp, "w", **profile) as out:
         for band, name in enumerate(BAND_NAMES, start=1):
             out.set_band_description(band, name)

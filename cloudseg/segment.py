@@ -12,19 +12,30 @@ predict's probabilities. Windows go through the model row by row; rows above the
 windows are final, leave for the outputs and are dropped, so memory holds one row of windows
 (tile height × scene width), never the scene. No-data pixels (black, or the GeoTIFF's nodata,
 mask or alpha) get probability 0, are written as nodata and count in no fraction.
+
+Where the work runs: the blend, the thresholds and the counts run where the model runs (torch on
+its device); on a GPU only the finished rows' uint8 bands and counts cross to the host, once per
+row of windows, and a JPEG scene is decoded there too. Windows are read a batch ahead in a
+thread (GDAL and OpenCV release the GIL); rows are encoded (`geo.output_bands`: OpenCV on a CPU)
+and written in another, the GeoTIFF compressed by GDAL's own threads.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import glob
 import json
 import logging
+import os
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+import cv2
 import numpy as np
 import pandas as pd
 import torch
@@ -33,15 +44,19 @@ from tqdm import tqdm
 from cloudseg import distributed, geo
 from cloudseg.files import atomic_path, new_hidden_file
 from cloudseg.hardware import resolve_device
-from cloudseg.postprocess import postprocess
-from cloudseg.predict import Ensemble, ensemble_native, load_ensemble
+from cloudseg.predict import Ensemble, ensemble_native, load_ensemble, no_data
 from cloudseg.task import LABELS
+from cloudseg.units import human_duration
 from cloudseg.viz import overlay
 
 log = logging.getLogger("cloudseg")
 
 OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighbour
-RELEASE_ROWS = 32  # final rows handed to the outputs at once (their float32 and uint8 temporaries)
+RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their float32 and uint8 temporaries)
+# Batches of windows read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
+# GPU predicts 1400x2100 windows faster than one thread inflates them from a deflated GeoTIFF. On a
+# CPU one batch ahead, as the model's own threads take the cores.
+READ_AHEAD = max(1, min(4, (os.cpu_count() or 1) // 4))
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
 
@@ -91,81 +106,116 @@ def axis_weights(starts: list[int], tile: int, index: int) -> np.ndarray:
     return weights
 
 
-def window_weights(grid: Tiling, row: int, column: int) -> np.ndarray:
-    """height×width blending weights of window (row, column) of `grid`."""
-    return np.outer(axis_weights(grid.tops, grid.height, row), axis_weights(grid.lefts, grid.width, column))
+def window_weights(grid: Tiling, device: torch.device):
+    """`weights(row, column)`: the height×width blending weights of window (row, column) of `grid`
+    on `device`, the outer product of its row's and its column's `axis_weights`, which go to the
+    device once per scene."""
+    def axes(starts: list[int], tile: int) -> torch.Tensor:
+        weights = torch.from_numpy(np.stack([axis_weights(starts, tile, index) for index in range(len(starts))]))
+        return (weights.pin_memory() if device.type == "cuda" else weights).to(device, non_blocking=True)
+
+    rows, columns = axes(grid.tops, grid.height), axes(grid.lefts, grid.width)
+    return lambda row, column: torch.outer(rows[row], columns[column])
 
 
 class StripBlender:
-    """Weighted sums of window probabilities over rows [top, top + window height) of the scene."""
+    """Weighted sums of window probabilities over rows [top, top + window height) of the scene, on
+    the model's device (torch: in-place on a GPU, and on a CPU faster than NumPy)."""
 
-    def __init__(self, rows: int, width: int):
+    def __init__(self, rows: int, width: int, device: torch.device):
         self.top = 0
-        self.sums = np.zeros((len(LABELS), rows, width), np.float32)
-        self.weights = np.zeros((rows, width), np.float32)
-        self.valid = np.zeros((rows, width), bool)
+        self.sums = torch.zeros((len(LABELS), rows, width), dtype=torch.float32, device=device)
+        self.weights = torch.zeros((rows, width), dtype=torch.float32, device=device)
+        self.valid = torch.zeros((rows, width), dtype=torch.bool, device=device)
 
-    def add(self, probs: np.ndarray, weights: np.ndarray, valid: np.ndarray, top: int, left: int) -> None:
+    def add(self, probs: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, top: int, left: int) -> None:
         rows = slice(top - self.top, top - self.top + weights.shape[0])
         columns = slice(left, left + weights.shape[1])
-        self.sums[:, rows, columns] += probs * weights
+        self.sums[:, rows, columns].addcmul_(probs, weights)
         self.weights[rows, columns] += weights
         self.valid[rows, columns] = valid
 
-    def release(self, end: int, rows: int):
+    def release(self, end: int, rows: int | None):
         """Yield (top, probabilities 4×n×W, valid n×W) for the final rows [top, end), `rows` at a
-        time (fresh arrays, 0 off the data); the strip then starts at `end`, its rows moved once."""
+        time (all at once for None; fresh tensors, 0 off the data); the strip then starts at
+        `end`, its rows moved once."""
         count = end - self.top
-        for start in range(0, count, rows):
-            band = slice(start, min(count, start + rows))
-            probs, valid = self.sums[:, band] / self.weights[band], self.valid[band].copy()
-            probs[:, ~valid] = 0
-            yield self.top + start, probs, valid
-        for array in (self.sums[:, :], self.weights, self.valid):  # shift the kept rows up, clear the rest
-            array[..., :array.shape[-2] - count, :] = array[..., count:, :]
-            array[..., array.shape[-2] - count:, :] = 0
+        step = rows or count
+        for start in range(0, count, step):
+            band = slice(start, min(count, start + step))
+            valid = self.valid[band].clone()
+            yield self.top + start, (self.sums[:, band] / self.weights[band]).masked_fill_(~valid, 0), valid
+        kept = self.weights.shape[0] - count
+        for array in (self.sums, self.weights, self.valid):  # shift the kept rows up, clear the rest
+            array[..., :kept, :] = array[..., count:, :].clone()  # the two ranges may overlap
+            array[..., kept:, :] = 0
         self.top = end
 
 
-def prefetched(function, items: list):
-    """function(item) for each item, in order, the next one computed in a thread meanwhile
-    (reading a window overlaps the model's work; GDAL and OpenCV release the GIL; `in_background` overlaps the writing likewise)."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(function, items[0]) if items else None
+def prefetched(function, items: list, ahead: int = 1):
+    """function(item) for each item, in order, the next `ahead` ones computed meanwhile, each in a
+    thread of its own (reading windows overlaps the model's work, and other reads: GDAL and OpenCV
+    release the GIL; `in_background` overlaps the writing likewise)."""
+    with concurrent.futures.ThreadPoolExecutor(ahead) as pool:
+        pending = collections.deque(pool.submit(function, item) for item in items[:ahead])
         for index in range(len(items)):
-            result = pending.result()
-            pending = pool.submit(function, items[index + 1]) if index + 1 < len(items) else None
+            result = pending.popleft().result()
+            if index + ahead < len(items):
+                pending.append(pool.submit(function, items[index + ahead]))
             yield result
+
+
+def read_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The windows `boxes` (top, left, height, width) of `scene` as one N×3×h×w uint8 batch, and
+    the file's N×h×w masks of valid pixels (None where the file marks none); in pinned memory
+    with `pin` (a GPU then copies them without a host sync)."""
+    pieces = [scene.read(*box) for box in boxes]
+    images = torch.stack([pixels for pixels, _ in pieces])
+    masks = None if pieces[0][1] is None else torch.stack([mask for _, mask in pieces])
+    if pin and images.device.type == "cpu":
+        images, masks = images.pin_memory(), None if masks is None else masks.pin_memory()
+    return images, masks
 
 
 def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float):
     """Yield (top, probabilities 4×n×W float32, valid n×W) for bands of final rows of `scene`,
-    top to bottom, from its windows batched through the ensemble and blended."""
-    grid = tiling(scene.height, scene.width, tile, overlap)
+    top to bottom, from its windows batched through the ensemble and blended, all on the
+    ensemble's device. A pixel is valid where it is not black (predict.no_data) and the file has
+    data there."""
+    grid, device = tiling(scene.height, scene.width, tile, overlap), ensemble.device
     windows = [(row, column) for row in range(len(grid.tops)) for column in range(len(grid.lefts))]
     size = ensemble.config.predict.batch_size
     batches = [windows[start:start + size] for start in range(0, len(windows), size)]
+    weights = window_weights(grid, device)
+    release_rows = RELEASE_ROWS if device.type == "cpu" else None  # a GPU hands a row of windows over at once
 
     def read(batch):
-        return [scene.read(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
+        boxes = [(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
+        return read_batch(scene, boxes, pin=device.type == "cuda")
 
-    blender, current_row = StripBlender(grid.height, scene.width), 0
-    for batch, pieces in zip(batches, prefetched(read, batches)):
-        images = torch.from_numpy(np.stack([pixels for pixels, _ in pieces])).to(ensemble.device)
-        probs = ensemble_native(ensemble, images)[0].float().cpu().numpy()
-        for (row, column), window_probs, (_, valid) in zip(batch, probs, pieces):
+    blender, current_row = StripBlender(grid.height, scene.width, device), 0
+    for batch, (images, masks) in zip(batches, prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)):
+        images = images.to(device, non_blocking=True)
+        valid = ~no_data(images)[:, 0]
+        if masks is not None:
+            valid &= masks.to(device, non_blocking=True)
+        probs = ensemble_native(ensemble, images)[0].float()
+        for (row, column), window_probs, window_valid in zip(batch, probs, valid):
             if row != current_row:
-                yield from blender.release(grid.tops[row], RELEASE_ROWS)
+                yield from blender.release(grid.tops[row], release_rows)
                 current_row = row
-            blender.add(window_probs, window_weights(grid, row, column), valid, grid.tops[row], grid.lefts[column])
-    yield from blender.release(scene.height, RELEASE_ROWS)
+            blender.add(window_probs, weights(row, column), window_valid, grid.tops[row], grid.lefts[column])
+    yield from blender.release(scene.height, release_rows)
 
 
 # ---------------------------------------------------------------------------------- one scene
 
 
-class SegmentOptions(NamedTuple):
-    tile: tuple[int, int]  # window (H, W)
+@dataclass(frozen=True)
+class SegmentOptions:
+    """How `segment` maps scenes: the options of `cloudseg segment`."""
+
+    tile: tuple[int, int] | None = None  # window (H, W); None: the size the model trained on (data.image_size)
     overlap: float = OVERLAP  # share of a tile that neighbouring windows have in common (at least)
     grid: float | None = None  # lat/lon cell size in degrees, or no grid
     time_pattern: str = geo.TIME_PATTERN  # where a scene's time is in its file name (see geo.scene_time)
@@ -180,14 +230,17 @@ class SceneCounts:
         self.valid, self.classes = 0, np.zeros(len(LABELS), np.int64)
         self.cells, self.cell_counts = [np.zeros((0, 2), np.int64)], [np.zeros((0, 1 + len(LABELS)), np.int64)]
 
-    def add(self, top: int, masks: np.ndarray, valid: np.ndarray) -> None:
-        self.valid += int(valid.sum())
-        self.classes += masks[:, valid].sum(1, dtype=np.int64)
+    def add(self, top: int, bands: np.ndarray, counts: np.ndarray) -> None:
+        """Rows from `top` as `geo.output_bands` made them: their bands and counts. The cells'
+        counts are made here, on the host, where GDAL and PROJ give each pixel's latitude and longitude."""
+        self.valid += int(counts[0])
+        self.classes += counts[1:]
         if self.gridded:
-            lats, lons = geo.lat_lon(self.scene.transform, self.scene.crs, top, len(valid), self.scene.width)
-            cells, counts = geo.grid_counts(lats, lons, masks, valid, self.grid)
+            masks = bands[len(LABELS):]
+            lats, lons = geo.lat_lon(self.scene.transform, self.scene.crs, top, masks.shape[1], self.scene.width)
+            cells, cell_counts = geo.grid_counts(lats, lons, masks, masks[0] != geo.NODATA, self.grid)
             self.cells.append(cells)
-            self.cell_counts.append(counts)
+            self.cell_counts.append(cell_counts)
 
     def record(self, name: str, when) -> dict:
         """What the scene's NAME.json holds: the fractions, and the grid cells when gridded."""
@@ -201,35 +254,32 @@ class SceneCounts:
         return record
 
 
-def masks_of(probs: np.ndarray, ensemble: Ensemble) -> np.ndarray:
-    """4×n×W uint8 masks by the run's tuned per-class threshold (the rule's minimum area and gate
-    are not applied: they were tuned on whole 1400×2100 images, see docs/segment.md)."""
-    return postprocess(probs[None], ensemble.config.predict.threshold, (0,) * len(LABELS))[0]
-
-
 def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: SegmentOptions) -> dict:
     """Map one scene into `out_dir` (GeoTIFF in: NAME.tif; JPEG/PNG in: NAME_masks.png and
-    NAME_overlay.png), then NAME.json, its fractions, last: its presence means the scene is done."""
-    with geo.open_scene(path) as scene:
+    NAME_overlay.png), then NAME.json, its fractions, last: its presence means the scene is done.
+    The masks use the run's tuned per-class threshold; the rule's minimum area and gate are not
+    applied: they were tuned on whole 1400×2100 images (see docs/segment.md)."""
+    with geo.open_scene(path, ensemble.device) as scene:
         counts = SceneCounts(scene, options.grid)
         rows = blended_rows(scene, ensemble, options.tile, options.overlap)
+        thresholds = ensemble.config.predict.threshold
         if isinstance(scene, geo.GeoTiffScene):
-            map_geotiff(scene, rows, ensemble, counts, out_dir / f"{path.stem}.tif")
+            map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif")
         else:
-            map_image(scene, rows, ensemble, counts, out_dir / path.stem)
+            map_image(scene, rows, thresholds, counts, out_dir / path.stem)
         record = counts.record(path.name, geo.scene_time(path, scene.tags, options.time_pattern))
     with atomic_path(done_file(out_dir, path)) as tmp:
         tmp.write_text(json.dumps(record))
     return record
 
 
-def map_geotiff(scene, rows, ensemble: Ensemble, counts: SceneCounts, out: Path) -> None:
-    """Write the blended `rows` of a GeoTIFF scene into the GeoTIFF `out` as they come, in a
-    thread while the model works on the next ones."""
+def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path) -> None:
+    """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands`) and write them into the
+    GeoTIFF `out` as they come, in a thread while the model works on the next ones."""
     def write(top, probs, valid):
-        masks = masks_of(probs, ensemble)
-        geo.write_geotiff_rows(written, top, geo.output_bands(probs, masks, valid))
-        counts.add(top, masks, valid)
+        bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
+        geo.write_geotiff_rows(written, top, bands)
+        counts.add(top, bands, pixel_counts)
 
     with geo.geotiff_writer(out, scene) as written:
         in_background(write, rows)
@@ -248,15 +298,16 @@ def in_background(function, items) -> None:
             pending.result()
 
 
-def map_image(scene, rows, ensemble: Ensemble, counts: SceneCounts, stem: Path) -> None:
+def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path) -> None:
     """Gather the masks of a JPEG or PNG scene (held whole anyway), then write STEM_masks.png and
     STEM_overlay.png."""
     masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
-    valid = np.zeros((scene.height, scene.width), bool)
-    for top, probs, rows_valid in rows:
-        band = slice(top, top + len(rows_valid))
-        masks[:, band], valid[band] = masks_of(probs, ensemble), rows_valid
-        counts.add(top, masks[:, band], rows_valid)
+    for top, probs, valid in rows:
+        bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
+        masks[:, top:top + bands.shape[1]] = bands[len(LABELS):]
+        counts.add(top, bands, pixel_counts)
+    valid = masks[0] != geo.NODATA
+    masks[:, ~valid] = 0
     geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid))
     geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks))
 
@@ -306,37 +357,61 @@ def check_writable(out_dir: Path, scenes: list[Path]) -> None:
         raise ValueError(f"{out_dir}: output folder is not writable ({error.strerror or error})") from None
 
 
-def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, tile: tuple[int, int] | None = None,
-            overlap: float | None = None, grid: float | None = None, time_pattern: str = geo.TIME_PATTERN,
-            postprocess_file: str | None = None, overrides: list[str] = (), device: str = "auto") -> int:
-    """Map every scene of `sources` (this process's share under torchrun) into `out_dir`, skipping
-    scenes already done; then one process writes fractions.csv (and grid.nc with `grid`). A bad
-    scene is one line on stderr naming it; the others go on. Returns the number that failed."""
+def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, options: SegmentOptions = SegmentOptions(),
+            *, postprocess_file: str | None = None, overrides: list[str] = (), device: str = "auto") -> int:
+    """Map every scene of `sources` (this process's share under torchrun) into `out_dir` with the
+    checkpoints' ensemble (loaded as `predict` loads it: `postprocess_file`, `overrides`, `device`),
+    skipping scenes already done; then one process writes fractions.csv (and grid.nc with a grid).
+    A bad scene is one line on stderr naming it; the others go on. Returns the number that failed."""
     out_dir, scenes = Path(out_dir), find_scenes(sources)
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
     check_writable(out_dir, scenes)
+    start = time.perf_counter()
     ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)))
-    options = SegmentOptions(window_size(ensemble, tile, checkpoints[0]), OVERLAP if overlap is None else overlap,
-                             grid, time_pattern)
+    log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
+             human_duration(time.perf_counter() - start))
+    return segment_scenes(scenes, ensemble, out_dir, replace(options, tile=window_size(ensemble, options.tile,
+                                                                                         checkpoints[0])))
+
+
+def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, options: SegmentOptions) -> int:
+    """`segment` with the ensemble loaded and `options.tile` set: this process's share of `scenes`,
+    then the summaries. Its log line gives the rate over the scenes alone (loading apart; a
+    compile, the first batch's, included)."""
     mine = scenes[distributed.rank()::distributed.world_size()]
-    todo = [path for path in mine if not is_done(out_dir, path, grid)]
+    todo = [path for path in mine if not is_done(out_dir, path, options.grid)]
     failed, start, pixels = [], time.perf_counter(), 0
-    for path in tqdm(todo, desc=f"segment (process {distributed.rank()})", unit="scene", disable=None):
-        try:
-            record = segment_scene(path, out_dir, ensemble, options)
-            pixels += record["height"] * record["width"]
-        except (ValueError, OSError, RuntimeError) as error:
-            failed.append(str(path))
-            tqdm.write(f"cloudseg segment: {scene_error(path, error)}", file=sys.stderr)
+    with opencv_threads(1):
+        for path in tqdm(todo, desc=f"segment (process {distributed.rank()})", unit="scene", disable=None):
+            try:
+                record = segment_scene(path, out_dir, ensemble, options)
+                pixels += record["height"] * record["width"]
+            except (ValueError, OSError, RuntimeError) as error:
+                failed.append(str(path))
+                tqdm.write(f"cloudseg segment: {scene_error(path, error)}", file=sys.stderr)
     failed = distributed.gathered(failed)  # every process waits here for all the others' scenes
     if distributed.is_main():
-        write_summaries(scenes, out_dir, grid)
+        write_summaries(scenes, out_dir, options.grid)
         seconds = time.perf_counter() - start
         log.info("segment: %d scenes, %d done before, %d failed, %d processes; %.2f scenes/s, %.1f megapixels/s "
                  "(process 0) -> %s", len(scenes), len(mine) - len(todo), len(failed), distributed.world_size(),
                  (len(todo) - len(failed)) / seconds, pixels / 1e6 / seconds, out_dir)
     distributed.stop()
     return len(failed)
+
+
+@contextlib.contextmanager
+def opencv_threads(count: int):
+    """OpenCV's thread pool at `count` threads for the duration. segment's OpenCV work (encoding the
+    rows, in the writer thread) runs beside the model's threads: a pool of its own fought torch's
+    on the CPU (one 4200x8400 scene, the demo model, 2 cores: 63 s with OpenCV's default pool, 53 s
+    with one thread, 56 s before its encoding moved to OpenCV)."""
+    was = cv2.getNumThreads()
+    cv2.setNumThreads(count)
+    try:
+        yield
+    finally:
+        cv2.setNumThreads(was)
 
 
 def process_device(device: str) -> torch.device:

@@ -1,4 +1,4 @@
-"""The host syncs of the training window, each one meant, named and counted.
+"""The host syncs of the training window (and of `cloudseg segment`), each one meant, named and counted.
 
 Data path: beside the accumulated step (engine.py) and the GPU decode (decode.py) that feeds it.
 
@@ -27,6 +27,8 @@ NAMED = {
     "ema": "once per optimizer step with train.ema: torch's AveragedModel reads its update count",
     "ranks agree": "with several processes only, twice per window: how many images all ranks have, and whether "
                    "any was asked to stop (an all-reduced number read on the host)",
+    "segment rows": "cloudseg segment on a GPU, once per row of windows: the finished rows' uint8 output bands and "
+                    "counts copied to the host for writing",
 }
 counts: collections.Counter[str] = collections.Counter()  # named syncs made in this process, by name
 

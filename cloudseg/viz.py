@@ -307,7 +307,7 @@ def scene_map(scene_path: str | Path, out_dir: str | Path | None = None, masks: 
     from cloudseg.geo import open_scene
 
     with open_scene(scene_path) as scene:
-        image = scene.read(0, 0, scene.height, scene.width)[0].transpose(1, 2, 0)
+        image = scene.read(0, 0, scene.height, scene.width)[0].permute(1, 2, 0).numpy()
     masks = written_masks(Path(scene_path), Path(out_dir)) if masks is None else masks
     return np.concatenate([overlay(image, masks), legend(image.shape[1])], axis=0)
 

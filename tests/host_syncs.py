@@ -2,8 +2,8 @@
 tensors (PyTorch's FakeTensorMode needs no GPU) inside `HostSyncs`, which records each operation
 that torch.cuda.set_sync_debug_mode("error") would refuse on a GPU, as this version of torch
 dispatches it: a value read on the host (`.item()`, `float()`, `.tolist()`, `bool()`), a copy
-between the host and the GPU (`.cpu()`, `.to("cuda")` of a host tensor, an in-place write of a
-host tensor into a GPU one, as `t[index] = 1` is on torch 2.11), and an output whose size depends
+between the host and the GPU unless `non_blocking` (`.cpu()`, `.to("cuda")` of a host tensor, an
+in-place write of a host tensor into a GPU one, as `t[index] = 1` is on torch 2.11), and an output whose size depends
 on the data (`nonzero`, a boolean mask's selection, `unique`). tests/test_gpu.py holds it to the
 real sync debug mode on a GPU machine.
 """
@@ -45,6 +45,8 @@ class HostSyncs(TorchDispatchMode):
             return "a GPU value read on the host"
         if func in DATA_DEPENDENT and "cuda" in inputs:
             return "an output sized by the GPU's data"
+        if func in (aten._to_copy.default, aten.copy_.default) and (kwargs.get("non_blocking") or args[2:3] == (True,)):
+            return None  # the caller asked not to wait (from pinned memory, nothing does)
         if func in (aten._to_copy.default, aten.copy_.default, aten.index_put_.default, aten.index_put.default):
             target = kwargs.get("device") or (args[0].device if func is not aten._to_copy.default else None)
             source = devices((args[1:], {k: v for k, v in kwargs.items() if k != "device"})) \

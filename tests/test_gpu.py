@@ -11,9 +11,11 @@ out-of-memory retry, prediction, `cloudseg memory` with and without a cap, resum
 takes a few minutes on one GPU, whatever runs beside it: nothing here times anything.
 """
 
+import json
 import math
 import os
 import signal
+from unittest import mock
 
 import numpy as np
 import pandas as pd
@@ -251,10 +253,10 @@ def test_the_gpu_decode_never_writes_memory_that_queued_work_still_reads(jpegs):
     change. Would catch: the decode on the caller's stream, where nvJPEG's hardware engine
     writes the freed blocks before the queued sums read them (so until issue #22: see the
     control below). Assumes: nothing else runs on this GPU."""
-    from cloudseg.decode import _decode_all
+    from cloudseg.decode import decode_jpegs
 
     ids = [f"{index}.jpg" for index in range(len(jpegs))]
-    assert hazard_rounds(jpegs, lambda data: _decode_all(data, ids, gpu())) == 0
+    assert hazard_rounds(jpegs, lambda data: decode_jpegs(data, ids, gpu())) == 0
 
 
 def test_the_control_an_unprotected_decode_corrupts_queued_work(jpegs):
@@ -277,6 +279,7 @@ HOST_SYNC_CASES = {
     "cumsum": lambda t, index: t.cumsum(0),
     ".cpu()": lambda t, index: t.cpu(),
     ".to(cuda) of a host tensor": lambda t, index: torch.zeros(3).to(t.device),
+    ".to(cuda, non_blocking=True) of a pinned tensor": lambda t, index: torch.zeros(3).pin_memory().to(t.device, non_blocking=True),
     ".item()": lambda t, index: t.sum().item(),
     "nonzero": lambda t, index: t.nonzero(),
 }
@@ -304,12 +307,12 @@ def test_host_syncs_finds_what_the_sync_debug_mode_refuses(case):
         real = True
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    with FakeTensorMode(), HostSyncs() as syncs:
+    with FakeTensorMode(), HostSyncs() as syncs, mock.patch.object(torch.Tensor, "pin_memory", lambda self: self):
         t, index = torch.zeros(10, dtype=torch.uint8, device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")
         try:
             run(t, index)
         except (DataDependentOutputException, DynamicOutputShapeException):
-            pass
+            pass  # a fake tensor has no data: the detector has seen the call
     assert bool(syncs.found) == real, (case, real, syncs.found)
 
 
@@ -459,9 +462,9 @@ def test_compiled_prediction_on_the_gpu_is_one_graph_and_predicts_what_eager_pre
 
     run = tmp_path / "run"
     train(load_config("configs/demo.yaml", [f"data.dir={data_copy}", *TINY, "train.epochs=1"]), run)
-    real_postprocess, probabilities = predict_module.postprocess, []
-    monkeypatch.setattr(predict_module, "postprocess",
-                        lambda probs, *args: probabilities.append(probs) or real_postprocess(probs, *args))
+    real_apply_rule, probabilities = predict_module.apply_rule, []
+    monkeypatch.setattr(predict_module, "apply_rule",
+                        lambda probs, *args: probabilities.append(probs) or real_apply_rule(probs, *args))
 
     def predicted(compile):
         probabilities.clear()
@@ -644,3 +647,95 @@ def test_checkpointing_auto_picks_encoder_under_a_cap_between_the_none_and_encod
     total = torch.cuda.get_device_properties(gpu()).total_memory
     torch.cuda.set_per_process_memory_fraction(usable / (1 - memory.SAFETY_MARGIN) / total, gpu())
     assert memory.resolve_checkpointing(config, model, CHECKPOINTING_SIZE, gpu()) == "encoder"
+
+
+# ---------------------------------------------------------------------------------- cloudseg segment
+
+
+def gpu_segment_scene(tmp_path):
+    """A 150×230 GeoTIFF with a no-data band (the file's nodata value) and a black corner."""
+    from rasterio.transform import from_origin
+
+    from cloudseg.geo import write_rgb_geotiff
+    from tests.test_segment import smooth_scene
+
+    image = smooth_scene(150, 230)
+    image[40:60] = 7
+    image[:20, :30] = 0
+    (tmp_path / "in").mkdir()
+    return write_rgb_geotiff(tmp_path / "in" / "scene.tif", image, "EPSG:4326", from_origin(-60, 15, 0.1, 0.1), 7)
+
+
+def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
+    """The same scene through `cloudseg segment` on the CPU and on the GPU, the model a per-pixel
+    function of the image (tests/test_segment.py's `pixelwise`, the same on both devices), in
+    overlapping windows. Would catch: a blend, threshold, no-data or count that differs on the GPU
+    beyond float rounding (the bands within 1 level of 254, the masks and fractions equal but for
+    pixels whose probability lies within 1/254 of a threshold). Assumes: nothing."""
+    from cloudseg.geo import NODATA
+    from tests.conftest import write_tiny_checkpoint
+    from tests.test_segment import pixelwise, run_segment
+
+    rasterio = pytest.importorskip("rasterio")
+    scene, checkpoint = gpu_segment_scene(tmp_path), write_tiny_checkpoint(tmp_path / "ck" / "best.pt")
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        assert run_segment(monkeypatch, pixelwise, scene, "--checkpoint", checkpoint, "--out", tmp_path / device,
+                           "--tile", 64, 96, "--overlap", 0.25, device=device) == 0
+        with rasterio.open(tmp_path / device / "scene.tif") as out:
+            outputs[device] = out.read().astype(int), json.loads((tmp_path / device / "scene.json").read_text())
+    (cpu, cpu_record), (gpu_bands, gpu_record) = outputs["cpu"], outputs["cuda"]
+    assert np.array_equal(cpu == NODATA, gpu_bands == NODATA) and cpu_record["valid_pixels"] == gpu_record["valid_pixels"]
+    assert np.abs(cpu[:4] - gpu_bands[:4]).max() <= 1
+    near = np.abs(cpu[:4] / 254 - 0.5) <= 1 / 254  # the default threshold, 0.5
+    assert np.array_equal(cpu[4:][~near], gpu_bands[4:][~near])
+    for label in ("Fish", "Flower", "Gravel", "Sugar"):
+        assert abs(cpu_record[label] - gpu_record[label]) <= near.sum() / cpu_record["valid_pixels"], label
+
+
+def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_path):
+    """blended_rows and geo.output_bands on the GPU under torch.cuda.set_sync_debug_mode("error"),
+    after one warm-up scene: any sync that syncs.named_sync does not name raises; the named one,
+    "segment rows", comes once per row of windows. Would catch: a window's probabilities or
+    weights read on the host, a blocking copy per batch (pixels from pageable memory), a count read
+    with .item(). Assumes: nothing."""
+    from cloudseg import syncs
+    from cloudseg.geo import open_scene, output_bands
+    from cloudseg.predict import Ensemble
+    from cloudseg.segment import blended_rows, tiling
+    from tests.test_segment import pixelwise
+
+    scene_path = gpu_segment_scene(tmp_path)
+    config = load_config("configs/demo.yaml", ["predict.batch_size=3"])
+    ensemble = Ensemble(config, 1000, gpu(), None, False, [pixelwise])
+
+    def map_scene():
+        with open_scene(scene_path, gpu()) as scene:
+            return [output_bands(probs, valid, [0.5] * 4) for _, probs, valid in
+                    blended_rows(scene, ensemble, (64, 96), 0.25)]
+
+    map_scene()  # warm-up: the allocators' first calls
+    before = syncs.counts["segment rows"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bands = map_scene()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert syncs.counts["segment rows"] - before == len(bands) == len(tiling(150, 230, (64, 96), 0.25).tops)
+
+
+def test_a_jpeg_scene_is_decoded_on_the_gpu_as_opencv_decodes_it(tmp_path):
+    """ImageScene on a GPU decodes with nvJPEG (through the stream-safe decode) and keeps the pixels
+    there. Would catch: a JPEG scene decoded on the host and copied per window, or a decode other
+    than OpenCV's beyond nvJPEG's few levels. Assumes: nothing."""
+    import cv2
+
+    from cloudseg.geo import ImageScene
+    from tests.test_segment import smooth_scene
+
+    path = tmp_path / "scene.jpg"
+    cv2.imwrite(str(path), smooth_scene(300, 500))
+    on_gpu, on_cpu = ImageScene(path, gpu()), ImageScene(path, "cpu")
+    pixels, mask = on_gpu.read(10, 20, 64, 96)
+    assert pixels.device.type == "cuda" and mask is None
+    assert (on_gpu.pixels.cpu().int() - on_cpu.pixels.int()).abs().max() <= 16

@@ -9,6 +9,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cloudseg import segment as segment_module
 from cloudseg.cli import main
@@ -16,6 +17,7 @@ from cloudseg.geo import ImageScene, write_rgb_geotiff
 from cloudseg.predict import Ensemble, load_ensemble, load_model, predict_probs
 from cloudseg.segment import blended_rows, tiling, window_starts
 from tests.conftest import write_tiny_checkpoint
+from tests.host_syncs import HostSyncs
 
 rasterio = pytest.importorskip("rasterio")  # make test installs the geo extra; a bare install skips these
 xarray = pytest.importorskip("xarray")
@@ -26,7 +28,7 @@ class ImageArray(ImageScene):
     """A scene held in memory, read as a decoded JPEG or PNG scene is."""
 
     def __init__(self, image: np.ndarray):
-        self.path, self.image, (self.height, self.width) = None, image, image.shape[:2]
+        self.path, self.pixels, (self.height, self.width) = None, torch.from_numpy(image).permute(2, 0, 1), image.shape[:2]
 
 
 def stand_in(forward, config, batch_size=4):
@@ -41,7 +43,7 @@ def blend(scene, ensemble, tile, overlap):
     parts, expected_top = [], 0
     for top, probs, valid in blended_rows(scene, ensemble, tile, overlap):
         assert top == expected_top and probs.shape[1] == valid.shape[0]
-        parts.append(probs)
+        parts.append(probs.numpy())
         expected_top += probs.shape[1]
     assert expected_top == scene.height
     return np.concatenate(parts, axis=1)
@@ -124,8 +126,8 @@ def test_no_seam_shows_where_windows_meet(tiny_ensemble, monkeypatch):
     own_step = largest_step(torch.sigmoid(position_model(torch.zeros(1, 3, *tile)))[0].numpy())
     bound = own_step + np.pi / (2 * 16)  # the smallest overlap here: half of 32 rows
     assert largest_step(blend(scene, stand_in(position_model, ensemble.config), tile, overlap)) <= bound
-    monkeypatch.setattr(segment_module, "window_weights", lambda grid, row, column: np.ones((grid.height, grid.width),
-                                                                                             np.float32))
+    monkeypatch.setattr(segment_module, "window_weights", lambda grid, device: lambda row, column: torch.ones(
+        grid.height, grid.width))
     assert largest_step(blend(scene, stand_in(position_model, ensemble.config), tile, overlap)) > 0.3  # the seam
 
 
@@ -144,6 +146,102 @@ def test_blended_windows_match_the_whole_scene_prediction(tiny_ensemble):
     assert np.abs(blended - whole).mean() <= 0.5 * np.abs(pasted - whole).mean()
 
 
+def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble, monkeypatch):
+    """The ensemble on a (fake) GPU: blended_rows on fake CUDA tensors, under HostSyncs, in one
+    thread (the read-ahead thread would leave the fake mode; pinning has no fake and is the identity
+    here). Would catch: a blend or validity computed on the host while the model is on the GPU (the
+    rows would come back on the CPU, or copies to the host show), and any read or blocking copy per
+    window (an `.item()`, `.cpu()`, a window's weights sent from pageable memory)."""
+    _, ensemble = tiny_ensemble
+    monkeypatch.setattr(segment_module, "prefetched", lambda function, items, ahead: map(function, items))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    gpu = stand_in(pixelwise, ensemble.config, batch_size=3)._replace(device=torch.device("cuda", 0))
+    with FakeTensorMode(allow_non_fake_inputs=True), HostSyncs() as syncs:
+        rows = list(blended_rows(ImageArray(smooth_scene(101, 157)), gpu, (32, 48), 0.25))
+    assert sum(probs.shape[1] for _, probs, _ in rows) == 101 and len(rows) > 1  # one band per row of windows
+    assert {(probs.device.type, valid.device.type) for _, probs, valid in rows} == {("cuda", "cuda")}
+    assert syncs.found == []
+
+
+def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, monkeypatch):
+    """A scene ten rows of windows tall: the strip holds one window's height of the scene's width,
+    and the first rows leave before the third row of windows is read. Would catch: the scene
+    blended whole (a strip of the scene's height), or rows held back to the end."""
+    _, ensemble = tiny_ensemble
+    reads, strips = [], []
+    scene = ImageArray(smooth_scene(320, 96))
+    real_read, real_strip = scene.read, segment_module.StripBlender
+    monkeypatch.setattr(scene, "read", lambda top, *box: reads.append(top) or real_read(top, *box))
+    monkeypatch.setattr(segment_module, "StripBlender", lambda rows, width, device: strips.append((rows, width)) or
+                        real_strip(rows, width, device))
+    rows = blended_rows(scene, stand_in(pixelwise, ensemble.config, batch_size=2), (32, 48), 0.0)
+    _, first, _ = next(rows)
+    assert strips == [(32, 96)] and max(reads) < 3 * 32
+    assert first.shape[1] + sum(probs.shape[1] for _, probs, _ in rows) == 320 and max(reads) == 320 - 32
+
+
+def test_windows_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gdal_handle(tmp_path):
+    """prefetched with three batches ahead, reading a GeoTIFF's windows (as for a GPU): the batches
+    come in order and equal a plain read, and each reading thread has a handle of its own. Would
+    catch: results out of order, a read dropped, and threads sharing one GDAL handle (not safe)."""
+    from cloudseg.geo import open_scene
+
+    path = write_geotiff(tmp_path / "scene.tif", smooth_scene(200, 300), nodata=7)
+    boxes = [[(top, left, 40, 60)] for top in range(0, 160, 40) for left in range(0, 240, 60)]
+    with open_scene(path) as scene:
+        alone = [segment_module.read_batch(scene, batch, pin=False) for batch in boxes]
+        ahead = list(segment_module.prefetched(lambda batch: segment_module.read_batch(scene, batch, False), boxes, 3))
+        handles = len(scene.handles)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(alone, ahead))
+    assert len(ahead) == len(boxes) and 2 <= handles <= 4  # the opening thread's and up to three readers'
+
+
+def test_output_bands_are_the_same_on_every_device_and_as_the_rule_says():
+    """geo.output_bands from OpenCV (the CPU's) and from torch (a GPU's, run here on CPU tensors),
+    against the rule written out here in NumPy: p x 254 rounded to nearest even, a mask where p x 255
+    rounded is above threshold x 255, 255 off the data, and the counts. Probabilities at 0, 1 and
+    on the rounding ties included. Would catch: a rounding that differs on one device (half up
+    against half to even), a threshold compared before quantizing, no-data counted."""
+    from cloudseg.geo import _output_bands_opencv, _output_bands_torch, output_bands
+
+    rng = np.random.default_rng(0)
+    probs = rng.random((4, 37, 53), dtype=np.float32)
+    ties = (np.arange(256, dtype=np.float32) + 0.5) / 255  # p x 255 lands on (or next to) a half
+    probs.reshape(4, -1)[:, :256] = ties
+    probs[:, 0, :3] = [0, 1, 0.5]
+    valid = rng.random((37, 53)) > 0.2
+    thresholds = [0.5, 0.35, 0.6, 0.65]
+    quantized = np.rint(probs * 255)
+    masks = np.stack([quantized[c] > thresholds[c] * 255 for c in range(4)]) & valid
+    expected = np.concatenate([np.rint(probs * 254), masks]).astype(np.uint8)
+    expected[:, ~valid] = 255
+    expected_counts = [valid.sum(), *masks.sum((1, 2))]
+    above = [int(np.floor(t * 255)) for t in thresholds]
+    for name, (bands, counts) in {"opencv": _output_bands_opencv(probs, valid, above),
+                                  "torch": _output_bands_torch(torch.from_numpy(probs), torch.from_numpy(valid), above),
+                                  "dispatch": output_bands(torch.from_numpy(probs), torch.from_numpy(valid), thresholds)
+                                  }.items():
+        np.testing.assert_array_equal(bands, expected, err_msg=name)
+        assert counts.tolist() == expected_counts, name
+
+
+def test_a_model_trained_without_an_image_size_maps_at_the_size_it_trained_on(data_copy, tmp_path):
+    """The demo's config says data.image_size: null; training records the size of its images in
+    the checkpoint, and segment takes its windows from there, no --tile. Would catch: a checkpoint
+    without its training size (segment would refuse: "trained without data.image_size")."""
+    from cloudseg.config import load_config
+    from cloudseg.train import train
+    from tests.conftest import TINY
+
+    config = load_config("configs/demo.yaml", [f"data.dir={data_copy}", *TINY, "train.epochs=1"])
+    assert config.data.image_size is None
+    train(config, tmp_path / "run")
+    scenes = write_pngs(tmp_path / "in", 1, shape=(100, 150))
+    assert main(["segment", str(scenes), "--checkpoint", str(tmp_path / "run" / "best.pt"), "--out",
+                 str(tmp_path / "out"), "--device", "cpu"]) == 0
+    assert json.loads((tmp_path / "out" / "scene00.json").read_text())["valid_pixels"] == 100 * 150
+
+
 # ---------------------------------------------------------------------------------- GeoTIFF, fractions, grid
 
 
@@ -159,15 +257,15 @@ def red_is_fish(images):
     return torch.cat([torch.where(red, 20.0, -20.0), torch.full_like(red, 20.0, dtype=torch.float32).expand(-1, 3, -1, -1)], 1)
 
 
-def run_segment(monkeypatch, model, *args):
-    """`cloudseg segment` with the checkpoint's model replaced by `model` (CPU); its exit status."""
+def run_segment(monkeypatch, model, *args, device="cpu"):
+    """`cloudseg segment` with the checkpoint's model replaced by `model` (on `device`); its exit status."""
     real = segment_module.load_ensemble
 
     def with_model(*a, **k):
         ensemble = real(*a, **k)
         return ensemble._replace(forwards=[model]) if model else ensemble
     monkeypatch.setattr(segment_module, "load_ensemble", with_model)
-    return main(["segment", *map(str, args), "--device", "cpu"])
+    return main(["segment", *map(str, args), "--device", device])
 
 
 def test_geotiff_out_keeps_the_scene_georeference_and_its_no_data(tiny_ensemble, tmp_path, monkeypatch):
