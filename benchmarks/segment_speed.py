@@ -1,22 +1,31 @@
-"""`cloudseg segment` against a naive loop of windows; prints one table.
+"""`cloudseg segment` against a naive loop of windows, with a model and without one; prints one table.
 
 Synthetic GeoTIFF scenes (default 2 of 1536x2304, 3.5 megapixels each) and an untrained model of
 --config (default configs/demo.yaml: an FPN on mobilenet_v2; the weights do not change the speed)
 in windows of --tile (default 384x576). Rows:
 
   a. naive loop             one window at a time (batch 1), side by side without overlap, read,
-                            predicted and pasted into a whole-scene array, then written: the
-                            hand-written loop of scripts that map scenes
-  b. cloudseg, overlap 0    `segment.segment` with the naive loop's windows, batched (--batch),
-                            the next batch read and the last rows written meanwhile in threads
+                            predicted and pasted into a whole-scene array, then written (4 bands):
+                            the hand-written loop of scripts that map scenes
+  b. cloudseg, overlap 0    `segment.segment` with the naive loop's windows, batched (--batch):
+                            the next batch read and the finished rows written meanwhile in threads,
+                            8 bands, fractions
   c. cloudseg, overlap 0.25 the default: more windows (neighbours share a quarter), blended
+  d., e., f.                the same three with the model replaced by a constant (zero logits,
+                            made on the device): the pipeline's own ceiling, "pipeline, no model"
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
-scene, on --device (auto: the GPU where there is
-one; with CUDA, predict.compile=auto compiles rows b and c); wall-clock, so other processes on the
-machine slow every row. Scenes/s and megapixels/s count the scenes' pixels, not the windows'.
+scene, on --device (auto: the GPU where there is one; with CUDA, predict.compile=auto compiles
+rows b and c); wall-clock, so other processes on the machine slow every row. Scenes/s and
+megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
+the same model (a for b, c; d for e, f).
 
-Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W --batch B --device D]
+Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
+processes on one window-sized scene (imports, loading, and on CUDA compiling, which the second
+call takes from inductor's cache), and the imports alone.
+
+Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
+       --batch B --config FILE --device D --no-fixed-cost]
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import datetime
 import logging
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,8 +53,15 @@ from cloudseg.config import load_config
 from cloudseg.geo import GDAL_CACHE_MB, write_rgb_geotiff
 from cloudseg.hardware import resolve_device
 from cloudseg.model import build_model
-from cloudseg.predict import load_model, predict_probs
-from cloudseg.segment import segment
+from cloudseg.predict import load_ensemble, load_model, predict_probs
+from cloudseg.segment import SegmentOptions, segment, segment_scenes
+
+
+class Constant(torch.nn.Module):
+    """Zero logits for every pixel, made on the images' device: a model that costs nothing."""
+
+    def forward(self, images):
+        return torch.zeros(images.shape[0], 4, *images.shape[-2:], device=images.device)
 
 
 def main() -> None:
@@ -56,26 +74,38 @@ def main() -> None:
         checkpoint = write_checkpoint(folder / "model" / "best.pt", args.config, args.tile)
         scenes = [write_scene(folder / "scenes" / f"scene{i}.tif", args.height, args.width, i) for i in range(args.scenes)]
         warm = write_scene(folder / "warm" / "warm.tif", args.tile[0] * 2, args.tile[1] * 2, 99)
-        rows = {
-            "a. naive loop (batch 1, no overlap)": timed(lambda out: naive(scenes, checkpoint, args.tile, device, out),
-                                                         lambda out: naive([warm], checkpoint, args.tile, device, out),
-                                                         folder, args.repeat),
-            **{f"{letter}. cloudseg segment, overlap {overlap} (batch {args.batch})": timed(
-                lambda out, overlap=overlap: run_segment(scenes, checkpoint, out, args, overlap, device),
-                lambda out, overlap=overlap: run_segment([warm], checkpoint, out, args, overlap, device), folder,
-                args.repeat)
-               for letter, overlap in (("b", 0.0), ("c", 0.25))},
-        }
+        model, _ = load_model(checkpoint, device)
+        rows = {}
+        for letters, name, forward in (("abc", "", model), ("def", ", no model", Constant())):
+            rows[f"{letters[0]}. naive loop{name} (batch 1, no overlap)"] = timed(
+                lambda out, forward=forward: naive(scenes, forward, args.tile, device, out),
+                lambda out, forward=forward: naive([warm], forward, args.tile, device, out), folder, args.repeat)
+            for letter, overlap in zip(letters[1:], (0.0, 0.25)):
+                run = lambda out, paths, overlap=overlap, forward=forward: run_segment(  # noqa: E731
+                    paths, checkpoint, out, args, overlap, device, None if forward is model else forward)
+                rows[f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})"] = timed(
+                    lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder, args.repeat)
+        fixed = fixed_cost(warm, checkpoint, folder, args) if args.fixed_cost else None
+    print_table(rows, args, device, load)
+    if fixed:
+        print(f"\nfixed cost of a call (cloudseg segment in a new process, one {args.tile[0] * 2}x{args.tile[1] * 2} "
+              f"scene): {fixed[0]:.1f} s, a second call {fixed[1]:.1f} s; of which imports {fixed[2]:.1f} s")
+
+
+def print_table(rows: dict, args, device: torch.device, load: float) -> None:
     megapixels = args.scenes * args.height * args.width / 1e6
     print(f"segment speed, {datetime.date.today()}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, device {device}; {args.scenes} scenes of {args.height}x{args.width}, "
-          f"windows {args.tile[0]}x{args.tile[1]}, model of {args.config}")
+          f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, device {device}"
+          f"{f' ({torch.cuda.get_device_name(device)})' if device.type == 'cuda' else ''}, torch {torch.__version__}; "
+          f"{args.scenes} scenes of {args.height}x{args.width}, windows {args.tile[0]}x{args.tile[1]}, "
+          f"model of {args.config}")
     print(f"load average before: {load:.1f} (other processes slow the wall-clock figures, "
           "less the CPU seconds)")
     print("| row | seconds | CPU s | scenes/s | megapixels/s | speed-up |")
     print("|---|---|---|---|---|---|")
-    naive_seconds = next(iter(rows.values()))[0]
-    for name, (seconds, cpu) in rows.items():
+    names = list(rows)
+    for index, (name, (seconds, cpu)) in enumerate(rows.items()):
+        naive_seconds = rows[names[index // 3 * 3]][0]
         print(f"| {name} | {seconds:.1f} | {cpu:.1f} | {args.scenes / seconds:.3f} | {megapixels / seconds:.2f} | "
               f"{naive_seconds / seconds:.2f}x |")
 
@@ -89,6 +119,8 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=4, help="windows per batch of rows b and c")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is shown")
     parser.add_argument("--config", default="configs/demo.yaml", help="the model's architecture")
+    parser.add_argument("--fixed-cost", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time two `cloudseg segment` calls in new processes")
     add_device_option(parser, "the scenes are mapped")
     return parser.parse_args()
 
@@ -113,7 +145,7 @@ def write_scene(path: Path, height: int, width: int, seed: int) -> Path:
 
 def timed(run, warm_up, folder: Path, repeat: int) -> tuple[float, float]:
     """(wall-clock, CPU seconds of this process's threads) of the fastest of `repeat` runs of
-    `run`, each after `warm_up` (each run loads the model anew)."""
+    `run`, each after `warm_up`."""
     times = []
     for _ in range(repeat):
         warm_up(folder / f"warm{time.monotonic_ns()}")
@@ -123,9 +155,8 @@ def timed(run, warm_up, folder: Path, repeat: int) -> tuple[float, float]:
     return min(times)
 
 
-def naive(scenes: list[Path], checkpoint: Path, tile, device: torch.device, out: Path) -> None:
+def naive(scenes: list[Path], model, tile, device: torch.device, out: Path) -> None:
     """One window at a time, pasted side by side into a whole-scene array, then written whole."""
-    model, _ = load_model(checkpoint, device)
     out.mkdir(parents=True)
     for path in scenes:
         with rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB), rasterio.open(path) as scene:
@@ -142,10 +173,33 @@ def naive(scenes: list[Path], checkpoint: Path, tile, device: torch.device, out:
                 written.write(np.rint(probs * 254).astype(np.uint8))
 
 
-def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: float, device: torch.device) -> None:
-    failed = segment([str(path) for path in scenes], [str(checkpoint)], out, overlap=overlap, postprocess_file="none",
-                     overrides=[f"predict.batch_size={args.batch}"], device=device.type)
+def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: float, device: torch.device,
+                forward=None) -> None:
+    """`segment` on the checkpoint (loaded anew, as a call does), or the checkpoint's ensemble with
+    `forward` for its model (`segment_scenes`: loading apart)."""
+    options, overrides = SegmentOptions(tuple(args.tile), overlap), [f"predict.batch_size={args.batch}"]
+    if forward is None:
+        failed = segment([str(path) for path in scenes], [str(checkpoint)], out, options, postprocess_file="none",
+                         overrides=overrides, device=device.type)
+    else:
+        ensemble = load_ensemble([str(checkpoint)], "none", overrides, device.type)
+        out.mkdir(parents=True)
+        failed = segment_scenes(scenes, ensemble._replace(forwards=[forward], compiling=False), out, options)
     assert failed == 0
+
+
+def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, float, float]:
+    """Seconds of two `cloudseg segment` calls on `scene` in new processes, one after the other,
+    and of a process that only imports cloudseg.segment."""
+    def seconds(*command) -> float:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, *command], check=True, capture_output=True)
+        return time.perf_counter() - start
+
+    call = ["-m", "cloudseg", "segment", str(scene), "--checkpoint", str(checkpoint), "--postprocess", "none",
+            "--device", args.device]
+    first, second = (seconds(*call, "--out", str(folder / f"fixed{index}")) for index in range(2))
+    return first, second, seconds("-c", "import cloudseg.segment")
 
 
 if __name__ == "__main__":

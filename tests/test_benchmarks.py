@@ -32,19 +32,23 @@ def test_training_benchmark_prints_its_table(tmp_path):
     assert "data loading:" in out and "4-flip TTA, eager" in out and "3698 test images" in out
     assert "4-flip TTA, compiled" not in out  # --no-compiled
     assert "MFU:" in out and "targets" in out and "checkpointing=full, eager: time per image" in out
-    assert "batch-norm backend in training: fp32 " in out and "all batch-norm ops" in out
+    assert "batch-norm backend in training: fp32 " in out and "fp32, eager, ms per image (CPU self time)" in out
+    assert "batch norm" in out and "optimizer step" in out and "fp32, compiled, ms per image" not in out
     figures = json.loads((tmp_path / "b.json").read_text())
     assert figures["rows"]["a. textbook loop (fp32)"][0] > 0 and figures["loader_samples_per_s_per_core"] > 0
     assert figures["flops_per_image"] > 0 and figures["profiles"]["fp32"]["batch_norm_ms_per_image"] > 0
 
 
-@pytest.mark.slow  # three compiles of a resnet18 UNet, even with aot_eager: minutes on 2 cores
-def test_training_benchmark_runs_its_compiled_rows():
-    out = run(*TRAIN_SPEED, "--compiled", "--backend", "aot_eager", "--no-profile")
+@pytest.mark.slow  # four compiles of a resnet18 UNet, even with aot_eager: minutes on 2 cores
+def test_training_benchmark_runs_its_compiled_rows(tmp_path):
+    """Would catch: a compiled row skipped, the compiled step not profiled (issue #32's profile),
+    or its trace not written."""
+    out = run(*TRAIN_SPEED, "--compiled", "--backend", "aot_eager", "--profile", "--trace", str(tmp_path))
     for row in ROWS[4:]:
         assert f"| {row} | skipped" not in out and f"| {row} |" in out
     assert "compiled (aot_eager), fp32, checkpointing=full: first window" in out
-    assert "4-flip TTA, compiled:" in out
+    assert "4-flip TTA, compiled:" in out and "fp32, compiled, ms per image (CPU self time)" in out
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["fp32-compiled.json", "fp32-eager.json"]
 
 
 def test_rle_benchmark_prints_its_table():
@@ -70,10 +74,21 @@ def test_recipes_benchmark_prints_one_row_per_option(tmp_path):
     assert all(0 <= float(row[3]) <= 1 and 0 <= float(row[4]) <= 1 for row in rows.values())
 
 
+SEGMENT_SPEED = ["benchmarks/segment_speed.py", "--scenes", "1", "--height", "128", "--width", "192", "--tile", "64", "96",
+                 "--repeat", "1", "--device", "cpu"]
+
+
 def test_segment_benchmark_prints_its_table():
-    out = run("benchmarks/segment_speed.py", "--scenes", "1", "--height", "128", "--width", "192", "--tile", "64", "96",
-              "--repeat", "1", "--device", "cpu")
+    """Would catch: a row missing, the pipeline without a model among them."""
+    out = run(*SEGMENT_SPEED, "--no-fixed-cost")
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
-                "c. cloudseg segment, overlap 0.25 (batch 4)"):
+                "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
+                "e. cloudseg segment, no model, overlap 0.0 (batch 4)", "f. cloudseg segment, no model, overlap 0.25 (batch 4)"):
         assert f"| {row} |" in out
-    assert "scenes/s | megapixels/s" in out
+    assert "scenes/s | megapixels/s" in out and "fixed cost" not in out
+
+
+@pytest.mark.slow  # three new processes that import cloudseg: about 45 s on 2 cores
+def test_segment_benchmark_reports_a_call_s_fixed_cost():
+    out = run(*SEGMENT_SPEED)
+    assert "fixed cost of a call" in out and "a second call" in out and "of which imports" in out
