@@ -9,7 +9,8 @@
   c, d, e: in each precision of --precisions (bf16 and fp16 where both are native); f, g: the first.
   Then the targets (compiled against careful Lightning, checkpointing's cost, fp16 against bf16),
   which batch-norm backend PyTorch picks per precision, and with --profile the time per op of
-  one eager window in each precision. Also data loading per CPU core, and inference with
+  one window in each precision, eager and compiled (shares: inductor's fused kernels, convolutions,
+  batch norm, casts and layout copies, upsampling, the optimizer's step; --trace DIR for Chrome traces). Also data loading per CPU core, and inference with
   4-flip TTA (eager, and compiled as predict.compile compiles it) projected to Kaggle's 3,698
   test images.
 
@@ -22,7 +23,7 @@ that it stays testable; its figures mean nothing for GPUs. Lightning is optional
 say skipped.
 
 Usage: python benchmarks/train_speed.py [--device auto|cpu|cuda --height H --width W --steps N
-       --precisions bf16 fp16 --compiled --backend inductor --profile --json OUT]
+       --precisions bf16 fp16 --compiled --backend inductor --profile --trace DIR --json OUT]
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def main() -> None:
     print_table(rows, flops, peak)
     print_targets(rows, args.precisions)
     print_batch_norm_backends(args.precisions, device)
-    profiles = {p: op_profile(config, batches, args, device, p) for p in args.precisions} if args.profile else {}
+    profiles = {f"{p}{', compiled' if compile else ''}": op_profile(config, batches, args, device, p, compile)
+                for p in args.precisions for compile in (False, True) if args.profile and (args.compiled or not compile)}
     loader_rate = loading_rate(args)
     print(f"\ndata loading: {loader_rate:.1f} samples/s per CPU core at {args.loader_size[0]}x{args.loader_size[1]}")
     inference_rate = {STEP[compile]: timed(device, lambda compile=compile: inference(config, batches, args, device,
@@ -138,7 +140,10 @@ def parse_args():
                         help="run the compiled rows (default: on CUDA only; on 2 CPU cores a compile takes minutes)")
     parser.add_argument("--backend", default=compiled.BACKEND, help="torch.compile backend of the compiled rows")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction,
-                        help="time per op of one eager window in each precision (torch.profiler; default on CUDA)")
+                        help="time per op of one window in each precision, eager and (with --compiled) compiled "
+                             "(torch.profiler; default on CUDA)")
+    parser.add_argument("--trace", metavar="DIR", help="with --profile, also write each profiled window's Chrome trace "
+                                                       "(chrome://tracing, Perfetto) into DIR")
     parser.add_argument("--loader-images", type=int, default=8)
     parser.add_argument("--loader-size", type=int, nargs=2, default=(1400, 2100), metavar=("H", "W"),
                         help="image size of the loading benchmark (a CPU measure: full resolution by default)")
@@ -274,29 +279,54 @@ def lightning(config, batches, args, device, precision, careful):
     return args.steps * args.effective_batch, time.perf_counter() - Clock.start
 
 
-def op_profile(config, batches, args, device, precision) -> dict[str, float]:
-    """Milliseconds per image of the ops that took longest in one eager window (on CUDA the
-    GPU's time, on a CPU the CPU's), after one window that lets cuDNN pick its algorithms."""
-    ctx = step_context(config, device, precision)
+# Where a profiled window's device time goes, by the names the profiler gives its events: inductor's
+# generated kernels, and the eager ops each step has compiled or not.
+PROFILE_SHARES = {
+    "fused by inductor": ("triton_", "cpp_fused", "fused_"),
+    "convolutions": ("convolution", "conv2d", "cudnn", "sm90_xmma", "implicit_gemm"),
+    "batch norm": ("batch_norm",),
+    "casts and layout copies": ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "Memcpy"),
+    "upsampling": ("upsample",),
+}
+
+
+def op_profile(config, batches, args, device, precision, compile=False) -> dict:
+    """Milliseconds per image of what took longest in one window of cloudseg's step, eager or
+    compiled (on CUDA the GPU's time, on a CPU the CPU's), after the windows that compile and let
+    cuDNN pick its algorithms: the top events, their shares (PROFILE_SHARES) and the optimizer's
+    step; with --trace DIR also a Chrome trace of the window."""
+    if compile:
+        torch._dynamo.reset()
+    ctx = step_context(config, device, precision, compile=compile)
     window = batches[: args.effective_batch // args.micro_batch]
-    train_step(ctx, window)
+    for _ in range(2 if compile else 1):
+        train_step(ctx, window)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profiler:
         train_step(ctx, window)
         synchronize(device)
+    step = STEP[compile]
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(args.trace, f"{precision}-{step}.json"))
     names = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
-    microseconds = {event.key: next(getattr(event, name) for name in names if hasattr(event, name))
-                    for event in profiler.key_averages()}
-    per_image = {op: us / 1e3 / args.effective_batch for op, us in microseconds.items() if op.startswith("aten::")}
-    top = dict(sorted(per_image.items(), key=lambda item: -item[1])[:8])
-    batch_norm = sum(ms for op, ms in per_image.items() if "batch_norm" in op)
-    print(f"\n{precision}, eager, ms per image by op ({'GPU' if device.type == 'cuda' else 'CPU'} self time); "
-          f"all batch-norm ops: {batch_norm:.2f} ms")
-    for op, ms in top.items():
-        print(f"  {op:<48}{ms:>9.2f}")
-    return {"batch_norm_ms_per_image": batch_norm, "top_ms_per_image": top}
+    events = profiler.key_averages()
+    per_image = {event.key: next(getattr(event, name) for name in names if hasattr(event, name)) / 1e3
+                 / args.effective_batch for event in events}
+    per_image = {key: ms for key, ms in per_image.items() if ms > 0 and not key.startswith(("ProfilerStep", "cuda"))}
+    top = dict(sorted(per_image.items(), key=lambda item: -item[1])[:12])
+    shares = {share: sum(ms for key, ms in per_image.items() if any(part in key for part in parts))
+              for share, parts in PROFILE_SHARES.items()}
+    total = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    optimizer = sum(getattr(event, total, 0) for event in events if event.key.startswith("Optimizer.step")) / 1e3
+    shares["optimizer step"] = optimizer / args.effective_batch
+    print(f"\n{precision}, {step}, ms per image ({'GPU' if device.type == 'cuda' else 'CPU'} self time), "
+          f"{sum(per_image.values()):.2f} in all; " + ", ".join(f"{name} {ms:.2f}" for name, ms in shares.items()))
+    for key, ms in top.items():
+        print(f"  {key[:72]:<72}{ms:>9.2f}")
+    return {"batch_norm_ms_per_image": shares["batch norm"], "shares_ms_per_image": shares, "top_ms_per_image": top}
 
 
 def inference(config, batches, args, device, compile):
