@@ -193,16 +193,17 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
     return Ensemble(config, top_k, device, autocast_dtype(config.train.precision, device), compiling, forwards)
 
 
-def ensemble_native(ensemble: Ensemble, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def ensemble_native(ensemble: Ensemble, images: torch.Tensor, *,
+                    zero_black: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ensemble's probabilities and head probabilities (`ensemble_probs` with the config's
-    predict.tta and zero_black) for a batch of at most predict.batch_size images, padded to that
-    size for a compiled model."""
+    predict.tta, and its zero_black unless `zero_black` is given) for a batch of at most
+    predict.batch_size images, padded to that size for a compiled model."""
     count, predict_config = len(images), ensemble.config.predict
+    zero_black = predict_config.zero_black if zero_black is None else zero_black
     if ensemble.compiling:
         images = padded(images, predict_config.batch_size)
     with compile_logged(ensemble.compiling, images.shape, what="prediction batches"):
-        native, classes = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta,
-                                         predict_config.zero_black)
+        native, classes = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta, zero_black)
     return native[:count], None if classes is None else classes[:count]
 
 

@@ -108,47 +108,61 @@ def axis_weights(starts: list[int], tile: int, index: int) -> np.ndarray:
 
 def window_weights(grid: Tiling, device: torch.device):
     """`weights(row, column)`: the height×width blending weights of window (row, column) of `grid`
-    on `device`, the outer product of its row's and its column's `axis_weights`, which go to the
-    device once per scene."""
-    def axes(starts: list[int], tile: int) -> torch.Tensor:
-        weights = torch.from_numpy(np.stack([axis_weights(starts, tile, index) for index in range(len(starts))]))
-        return (weights.pin_memory() if device.type == "cuda" else weights).to(device, non_blocking=True)
+    on `device`, the outer product of its row's and its column's `axis_weights`, each divided by
+    the sum of every window's along that axis. The blend is then a weighted sum, with nothing to
+    divide at the end: the sums are 1 already (to the last bit or two) wherever at most two windows
+    meet along an axis, and a lone window's weights are exactly 1. The axes go to the device once
+    per scene."""
+    def axes(starts: list[int], tile: int, length: int) -> torch.Tensor:
+        weights = np.stack([axis_weights(starts, tile, index) for index in range(len(starts))]).astype(np.float64)
+        total = np.zeros(length)
+        for start, window in zip(starts, weights):
+            total[start:start + tile] += window
+        normalized = torch.from_numpy((weights / np.stack([total[start:start + tile] for start in starts]))
+                                      .astype(np.float32))
+        return (normalized.pin_memory() if device.type == "cuda" else normalized).to(device, non_blocking=True)
 
-    rows, columns = axes(grid.tops, grid.height), axes(grid.lefts, grid.width)
+    rows = axes(grid.tops, grid.height, grid.tops[-1] + grid.height)
+    columns = axes(grid.lefts, grid.width, grid.lefts[-1] + grid.width)
     return lambda row, column: torch.outer(rows[row], columns[column])
 
 
 class StripBlender:
-    """Weighted sums of window probabilities over rows [top, top + window height) of the scene, on
-    the model's device (torch: in-place on a GPU, and on a CPU faster than NumPy)."""
+    """Weighted sums of window probabilities over rows [top, top + window height) of a scene
+    `height` rows tall, on the model's device (torch: in place on a GPU, and on a CPU 7x faster
+    than NumPy). Two strips take turns, so that released rows are handed out as they lie, without
+    a copy, while the next row of windows is added to the other strip."""
 
-    def __init__(self, rows: int, width: int, device: torch.device):
-        self.top = 0
+    def __init__(self, rows: int, width: int, height: int, device: torch.device):
+        self.top, self.height = 0, height
         self.sums = torch.zeros((len(LABELS), rows, width), dtype=torch.float32, device=device)
-        self.weights = torch.zeros((rows, width), dtype=torch.float32, device=device)
         self.valid = torch.zeros((rows, width), dtype=torch.bool, device=device)
+        self.spare = None  # the other strip, made at the first release that keeps rows
 
     def add(self, probs: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, top: int, left: int) -> None:
         rows = slice(top - self.top, top - self.top + weights.shape[0])
         columns = slice(left, left + weights.shape[1])
         self.sums[:, rows, columns].addcmul_(probs, weights)
-        self.weights[rows, columns] += weights
         self.valid[rows, columns] = valid
 
     def release(self, end: int, rows: int | None):
         """Yield (top, probabilities 4×n×W, valid n×W) for the final rows [top, end), `rows` at a
-        time (all at once for None; fresh tensors, 0 off the data); the strip then starts at
-        `end`, its rows moved once."""
+        time (all at once for None), as they lie (off the data: whatever the model said there).
+        They are views of this strip, left untouched until the release after next, when it takes
+        its next turn: read each before asking for the next release's second band. The strip then
+        starts at `end`, in the other one, its kept rows copied there."""
         count = end - self.top
         step = rows or count
         for start in range(0, count, step):
             band = slice(start, min(count, start + step))
-            valid = self.valid[band].clone()
-            yield self.top + start, (self.sums[:, band] / self.weights[band]).masked_fill_(~valid, 0), valid
-        kept = self.weights.shape[0] - count
-        for array in (self.sums, self.weights, self.valid):  # shift the kept rows up, clear the rest
-            array[..., :kept, :] = array[..., count:, :].clone()  # the two ranges may overlap
-            array[..., kept:, :] = 0
+            yield self.top + start, self.sums[:, band], self.valid[band]
+        if end < self.height:
+            kept = self.valid.shape[0] - count
+            self.spare = self.spare or (torch.empty_like(self.sums), torch.empty_like(self.valid))  # all written below
+            for old, new in zip((self.sums, self.valid), self.spare):
+                new[..., :kept, :] = old[..., count:, :]
+                new[..., kept:, :] = 0
+            self.spare, (self.sums, self.valid) = (self.sums, self.valid), self.spare
         self.top = end
 
 
@@ -181,7 +195,9 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
     """Yield (top, probabilities 4×n×W float32, valid n×W) for bands of final rows of `scene`,
     top to bottom, from its windows batched through the ensemble and blended, all on the
     ensemble's device. A pixel is valid where it is not black (predict.no_data) and the file has
-    data there."""
+    data there; off the data the probabilities are whatever the model said (output_bands writes
+    NODATA there). The bands are views of the blender's strips: read each before asking for the
+    band after next (as `in_background` and a plain loop do)."""
     grid, device = tiling(scene.height, scene.width, tile, overlap), ensemble.device
     windows = [(row, column) for row in range(len(grid.tops)) for column in range(len(grid.lefts))]
     size = ensemble.config.predict.batch_size
@@ -193,13 +209,13 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
         boxes = [(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
         return read_batch(scene, boxes, pin=device.type == "cuda")
 
-    blender, current_row = StripBlender(grid.height, scene.width, device), 0
+    blender, current_row = StripBlender(grid.height, scene.width, scene.height, device), 0
     for batch, (images, masks) in zip(batches, prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)):
         images = images.to(device, non_blocking=True)
         valid = ~no_data(images)[:, 0]
         if masks is not None:
             valid &= masks.to(device, non_blocking=True)
-        probs = ensemble_native(ensemble, images)[0].float()
+        probs = ensemble_native(ensemble, images, zero_black=False)[0]  # `valid` marks the black pixels
         for (row, column), window_probs, window_valid in zip(batch, probs, valid):
             if row != current_row:
                 yield from blender.release(grid.tops[row], release_rows)

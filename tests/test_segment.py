@@ -43,7 +43,7 @@ def blend(scene, ensemble, tile, overlap):
     parts, expected_top = [], 0
     for top, probs, valid in blended_rows(scene, ensemble, tile, overlap):
         assert top == expected_top and probs.shape[1] == valid.shape[0]
-        parts.append(probs.numpy())
+        parts.append(probs.masked_fill(~valid, 0).numpy())  # a copy: the bands are views of the blender's strips
         expected_top += probs.shape[1]
     assert expected_top == scene.height
     return np.concatenate(parts, axis=1)
@@ -172,12 +172,30 @@ def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, mon
     scene = ImageArray(smooth_scene(320, 96))
     real_read, real_strip = scene.read, segment_module.StripBlender
     monkeypatch.setattr(scene, "read", lambda top, *box: reads.append(top) or real_read(top, *box))
-    monkeypatch.setattr(segment_module, "StripBlender", lambda rows, width, device: strips.append((rows, width)) or
-                        real_strip(rows, width, device))
+    monkeypatch.setattr(segment_module, "StripBlender", lambda rows, width, height, device: strips.append((rows, width)) or
+                        real_strip(rows, width, height, device))
     rows = blended_rows(scene, stand_in(pixelwise, ensemble.config, batch_size=2), (32, 48), 0.0)
     _, first, _ = next(rows)
     assert strips == [(32, 96)] and max(reads) < 3 * 32
     assert first.shape[1] + sum(probs.shape[1] for _, probs, _ in rows) == 320 and max(reads) == 320 - 32
+
+
+@pytest.mark.parametrize("release_rows", [None, 8])
+def test_a_band_stays_as_it_was_yielded_while_the_next_one_is_made(tiny_ensemble, monkeypatch, release_rows):
+    """CPU. The writer thread reads band k while blended_rows makes band k + 1 (adding the next row
+    of windows, moving the strip on): band k must not change meanwhile, though the bands are views
+    of the blender's strips. Would catch: one strip moved up in place under a band being written
+    (the rows of the next window row, or zeros, written over it)."""
+    _, ensemble = tiny_ensemble
+    monkeypatch.setattr(segment_module, "RELEASE_ROWS", release_rows)
+    rows = blended_rows(ImageArray(smooth_scene(101, 157)), stand_in(pixelwise, ensemble.config, batch_size=2),
+                        (32, 48), 0.25)
+    previous, count = None, 0
+    for top, probs, valid in rows:
+        if previous is not None:
+            assert torch.equal(previous[0], previous[1]) and torch.equal(previous[2], previous[3]), f"band {count - 1}"
+        previous, count = (probs, probs.clone(), valid, valid.clone()), count + 1
+    assert count >= 4  # rows of windows: 4
 
 
 def test_windows_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gdal_handle(tmp_path):
