@@ -443,9 +443,10 @@ def test_memory_does_not_grow_with_the_scene(tiny_ensemble, tmp_path):
     one, and reports its peak resident memory before and after each (tests/ddp_entry.py
     --memory-probe). Bounds: the second scene, ten times taller, adds under 96 MiB to the peak
     (its RGB pixels alone are 458 MiB, its float32 probabilities 2.4 GiB; what it adds is GDAL's
-    block cache, capped at 64 MB, filling further: 39 and 54 MiB measured on 2026-11-25); the
-    first adds under 400 MiB (one row of windows: 256 rows × 20000 × 21 bytes = 102 MiB of sums,
-    weights and validity, with the batch, reads and output temporaries; measured 207 and 237 MiB).
+    block cache, capped at 64 MB, filling further: 13 and 46 MiB measured on 2026-11-25); the
+    first adds under 400 MiB (a row of windows in each of two strips: 2 × 256 rows × 20000 × 17
+    bytes = 166 MiB of sums and validity, with the batch, reads and output temporaries; measured
+    170 and 179 MiB).
     Would catch: a scene read or blended whole, outputs gathered before writing, GDAL's block
     cache (5% of the RAM by default) holding the written scene."""
     import os
