@@ -59,9 +59,9 @@ def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | No
             logits, class_logits = forward_with_classes(model, images.flip(dims) if dims else images)
         probs = summed(probs, logits.float().sigmoid().flip(dims) if dims else logits.float().sigmoid())
         classes = None if class_logits is None else summed(classes, class_logits.float().sigmoid())
-    for total in (probs, classes) if len(flips) > 1 else ():
-        if total is not None:
-            total.div_(len(flips))
+    if len(flips) > 1:
+        probs.div_(len(flips))
+        classes = None if classes is None else classes.div_(len(flips))
     if zero_black:
         probs.masked_fill_(no_data(images), 0.0)
     return (probs, classes) if with_classes else probs
@@ -138,14 +138,13 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     data_dir = data_dir or config.data.dir
     dataset = CloudDataset(data_dir, split="test", image_size=config.data.image_size,
                            decode=resolve_decode(config.data.decode, device))
-    rows = []
+    rows, rule = [], {**config.predict.model_dump(), "top_k": ensemble.top_k}
     for batch in tqdm(make_loader(dataset, config.data, config.predict.batch_size, device), desc="predict",
                       unit="batch", disable=None):
         images = decode_batch(batch, device)["image"].to(device, non_blocking=True)
         native, classes = ensemble_native(ensemble, images)
         classes8 = None if classes is None else quantize(classes.cpu().numpy())
-        masks = apply_rule(resize_probs(native).cpu().numpy(), {**config.predict.model_dump(), "top_k": ensemble.top_k},
-                           classes8)
+        masks = apply_rule(resize_probs(native).cpu().numpy(), rule, classes8)
         for image_id, image_masks in zip(batch["image_id"], masks):
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, image_masks)]
     path = write_submission(rows, Path(data_dir) / SAMPLE_SUBMISSION_CSV, out)

@@ -109,10 +109,9 @@ def axis_weights(starts: list[int], tile: int, index: int) -> np.ndarray:
 def window_weights(grid: Tiling, device: torch.device):
     """`weights(row, column)`: the height×width blending weights of window (row, column) of `grid`
     on `device`, the outer product of its row's and its column's `axis_weights`, each divided by
-    the sum of every window's along that axis. The blend is then a weighted sum, with nothing to
-    divide at the end: the sums are 1 already (to the last bit or two) wherever at most two windows
-    meet along an axis, and a lone window's weights are exactly 1. The axes go to the device once
-    per scene."""
+    the sum of every window's along that axis (in float64). The blend is then a weighted sum, with
+    nothing to divide at the end: the weights over any pixel sum to 1 (to float32's rounding), and
+    a lone window's are exactly 1. The axes go to the device once per scene."""
     def axes(starts: list[int], tile: int, length: int) -> torch.Tensor:
         weights = np.stack([axis_weights(starts, tile, index) for index in range(len(starts))]).astype(np.float64)
         total = np.zeros(length)
@@ -148,9 +147,9 @@ class StripBlender:
     def release(self, end: int, rows: int | None):
         """Yield (top, probabilities 4×n×W, valid n×W) for the final rows [top, end), `rows` at a
         time (all at once for None), as they lie (off the data: whatever the model said there).
-        They are views of this strip, left untouched until the release after next, when it takes
-        its next turn: read each before asking for the next release's second band. The strip then
-        starts at `end`, in the other one, its kept rows copied there."""
+        They are views of this strip, untouched until its next turn, which begins once the next
+        release has yielded its last band: read each before asking for a band beyond that. The
+        strip then starts at `end`, in the other one, its kept rows copied there."""
         count = end - self.top
         step = rows or count
         for start in range(0, count, step):

@@ -336,6 +336,7 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
     `stop_requested` is asked before every batch (StopRequested), on all processes together."""
     model.eval()
     losses, pair_dice, search = [], [], RuleSearch(config.predict, head=unwrapped(model).has_head)
+    rule = {**config.predict.model_dump(), "top_k": TOP_K}
     asked = None if stop_requested is None else lambda: distributed.total(stop_requested(), device)
     largest_shard = math.ceil(len(loader.dataset) / distributed.world_size())
     batches = until_stopped(loader, asked, count=math.ceil(largest_shard / loader.batch_size))
@@ -346,8 +347,7 @@ def validate(model, loader, device, dtype, config: Config, skipped: list[Problem
         losses += per_image_loss(torch.logit(probs.native, eps=1e-6), masks, config.train.dice_weight).tolist()
         probs8, truth = quantize(probs.submission.cpu().numpy()), resize_masks(masks).cpu().numpy()
         classes8 = None if probs.classes is None else quantize(probs.classes.cpu().numpy())
-        rule = config.predict
-        pair_dice.append(dice(apply_rule(probs8, {**rule.model_dump(), "top_k": TOP_K}, classes8), truth))
+        pair_dice.append(dice(apply_rule(probs8, rule, classes8), truth))
         search.add(probs8, truth, classes8)
     losses, pair_dice, (search, *others) = (distributed.gathered(x) for x in (losses, pair_dice, [search]))
     search.merge(others)
