@@ -666,12 +666,24 @@ def gpu_segment_scene(tmp_path):
     return write_rgb_geotiff(tmp_path / "in" / "scene.tif", image, "EPSG:4326", from_origin(-60, 15, 0.1, 0.1), 7)
 
 
+def lagging(images):
+    """tests/test_segment.py's `pixelwise` behind a long kernel queued first (about 30 ms): the GPU
+    runs far behind the host, so a band read, copied to the host or overwritten by the blender's
+    next strip before its queued work has ended shows in the output."""
+    from tests.test_segment import pixelwise
+
+    torch.cuda._sleep(50_000_000)
+    return pixelwise(images)
+
+
 def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
     """The same scene through `cloudseg segment` on the CPU and on the GPU, the model a per-pixel
-    function of the image (tests/test_segment.py's `pixelwise`, the same on both devices), in
-    overlapping windows. Would catch: a blend, threshold, no-data or count that differs on the GPU
-    beyond float rounding (the bands within 1 level of 254, the masks and fractions equal but for
-    pixels whose probability lies within 1/254 of a threshold). Assumes: nothing."""
+    function of the image (tests/test_segment.py's `pixelwise`, the same on both devices; on the
+    GPU behind queued work, `lagging`), in overlapping windows. Would catch: a blend, threshold,
+    no-data or count that differs on the GPU beyond float rounding (the bands within 1 level of
+    254, the masks and fractions equal but for pixels whose probability lies within 1/254 of a
+    threshold), and a band that the host reads or the blender reuses before the GPU is done with
+    it. Assumes: nothing."""
     from cloudseg.geo import NODATA
     from tests.conftest import write_tiny_checkpoint
     from tests.test_segment import pixelwise, run_segment
@@ -680,7 +692,8 @@ def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
     scene, checkpoint = gpu_segment_scene(tmp_path), write_tiny_checkpoint(tmp_path / "ck" / "best.pt")
     outputs = {}
     for device in ("cpu", "cuda"):
-        assert run_segment(monkeypatch, pixelwise, scene, "--checkpoint", checkpoint, "--out", tmp_path / device,
+        model = lagging if device == "cuda" else pixelwise
+        assert run_segment(monkeypatch, model, scene, "--checkpoint", checkpoint, "--out", tmp_path / device,
                            "--tile", 64, 96, "--overlap", 0.25, device=device) == 0
         with rasterio.open(tmp_path / device / "scene.tif") as out:
             outputs[device] = out.read().astype(int), json.loads((tmp_path / device / "scene.json").read_text())
@@ -695,19 +708,18 @@ def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
 
 def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_path):
     """blended_rows and geo.output_bands on the GPU under torch.cuda.set_sync_debug_mode("error"),
-    after one warm-up scene: any sync that syncs.named_sync does not name raises; the named one,
-    "segment rows", comes once per row of windows. Would catch: a window's probabilities or
+    each batch behind queued work (`lagging`), after one warm-up scene: any sync that
+    syncs.named_sync does not name raises; the named one, "segment rows", comes once per row of
+    windows. Would catch: a window's probabilities or
     weights read on the host, a blocking copy per batch (pixels from pageable memory), a count read
     with .item(). Assumes: nothing."""
     from cloudseg import syncs
     from cloudseg.geo import open_scene, output_bands
     from cloudseg.predict import Ensemble
     from cloudseg.segment import blended_rows, tiling
-    from tests.test_segment import pixelwise
-
     scene_path = gpu_segment_scene(tmp_path)
     config = load_config("configs/demo.yaml", ["predict.batch_size=3"])
-    ensemble = Ensemble(config, 1000, gpu(), None, False, [pixelwise])
+    ensemble = Ensemble(config, 1000, gpu(), None, False, [lagging])
 
     def map_scene():
         with open_scene(scene_path, gpu()) as scene:
