@@ -46,7 +46,7 @@ TORCHVISION_FLOOR := $(shell sed -n 's/.*"torchvision>=\([0-9.]*\)".*/\1/p' pypr
 FOLDS   ?= 0 1 2 3 4
 CV_DIR  ?= runs/cv
 
-.PHONY: help install test test-all test-gpu test-oldest bench lock clean train predict data cv tune submit tensorboard notebooks lab
+.PHONY: help install test test-all test-gpu test-gpu-all test-oldest bench lock clean train predict data cv tune submit tensorboard notebooks lab
 
 help:
 	@echo "make train     train CONFIG on DATA (default configs/fullres.yaml on data/kaggle;"
@@ -63,7 +63,9 @@ help:
 	@echo "               PyTorch for that backend instead of the pinned CUDA build; see cloudseg doctor]"
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
-	@echo "make test-gpu  on a CUDA GPU: the tests marked gpu (mixed precision, predict, memory, resume; a few minutes)"
+	@echo "make test-gpu  on a CUDA GPU: the tests marked gpu but not slow (decode, host syncs, mixed precision, predict,"
+	@echo "               memory, deterministic resume, segment; about 3 minutes on an H100)"
+	@echo "make test-gpu-all  also the gpu tests marked slow (compiled step and prediction, default-resume noise)"
 	@echo "make test-oldest  the fast suite on the oldest PyTorch pyproject.toml allows (torch $(TORCH_FLOOR), in $(OLDEST_VENV))"
 	@echo "make bench     print benchmark tables (RLE codec, tuning, training and inference speed, segment)"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
@@ -96,10 +98,19 @@ test-all: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m ''
 
 # In one process: these tests read and cap this process's GPU memory and compare runs bit for bit.
+# Each test's line and any failure's traceback are printed as it ends (tests/report_now.py), and a
+# test still running after GPU_HANG_S seconds has every thread's stack dumped: a run cut short says why.
+# make test-gpu: the tier that fits a short GPU window (about 3 minutes on an H100); make test-gpu-all
+# adds the gpu tests also marked slow (inductor's compiles, the default-resume noise study).
+GPU_TIER ?= gpu and not slow
+GPU_HANG_S ?= 120
 test-gpu: $(STAMP)
 	@$(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || { \
-	  echo "make test-gpu: needs a CUDA GPU, and PyTorch sees none here (cloudseg doctor says why)"; exit 1; }
-	$(PY) -m pytest -n 0 -m gpu
+	  echo "make $@: needs a CUDA GPU, and PyTorch sees none here (cloudseg doctor says why)"; exit 1; }
+	$(PY) -m pytest -n 0 -m "$(GPU_TIER)" -p tests.report_now --report-now -o faulthandler_timeout=$(GPU_HANG_S) --durations=10
+
+test-gpu-all: GPU_TIER = gpu
+test-gpu-all: test-gpu
 
 test-oldest: | $(UV)
 	$(UV) venv -q --allow-existing --python $(PYTHON) $(OLDEST_VENV)

@@ -242,7 +242,8 @@ def test_cloudseg_train_compiles_with_inductor_on_the_cpu_without_a_graph_break(
 GPU_UPDATE_RTOL = 1e-6
 
 
-@pytest.mark.gpu  # make test-gpu (skipped without CUDA); inductor compiles Triton kernels: a minute or two
+@pytest.mark.gpu  # skipped without CUDA
+@pytest.mark.slow  # make test-gpu-all: inductor compiles Triton kernels, a minute or two
 def test_on_a_gpu_the_compiled_step_has_no_graph_break_and_trains_what_eager_trains():
     """Would catch: a graph break or a recompile that only CUDA shows (cuDNN, autocast,
     channels_last), and inductor's GPU kernels training other weights than eager (float64 SGD,

@@ -14,7 +14,10 @@ takes a few minutes on one GPU, whatever runs beside it: nothing here times anyt
 import json
 import math
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -415,15 +418,23 @@ def test_mixed_precision_steps_with_micro_batch_auto_survive_an_out_of_memory_er
 GPU_TOLERANCE = {"fp32": (0.02, 0.002), "bf16": (0.05, 0.005)}
 
 
-def test_predict_on_the_gpu_writes_a_valid_submission_and_gpu_probabilities_match_the_cpu(data_copy, tmp_path,
+@pytest.fixture(scope="module")
+def cpu_run(tiny_data, tmp_path_factory):
+    """(run folder, data folder) of one epoch trained on the CPU (fp32) on a copy of the tiny dataset,
+    shared by the prediction tests, which only read them."""
+    data = shutil.copytree(tiny_data, tmp_path_factory.mktemp("predict") / "data")
+    train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, "train.epochs=1"]), data.parent / "run")
+    return data.parent / "run", data
+
+
+def test_predict_on_the_gpu_writes_a_valid_submission_and_gpu_probabilities_match_the_cpu(cpu_run, tmp_path,
                                                                                           monkeypatch):
     """A checkpoint trained on the CPU (fp32), predicted on the GPU. Would catch: predict failing
     on CUDA (a CUDA tensor handed to NumPy, a model left on the CPU), a submission that is not
     sample_submission.csv's rows, and GPU probabilities that are not the CPU's within
     GPU_TOLERANCE (see there), in fp32 (TF32) and, where the GPU has it natively (compute
     capability 8.0 or newer), under bf16 autocast."""
-    run = tmp_path / "run"
-    train(load_config("configs/demo.yaml", [f"data.dir={data_copy}", *TINY, "train.epochs=1"]), run)
+    run, data_copy = cpu_run
     real_load, placed = predict_module.load_model, []
 
     def load(path, device):
@@ -450,7 +461,8 @@ def test_predict_on_the_gpu_writes_a_valid_submission_and_gpu_probabilities_matc
                                                                              difference.mean())
 
 
-def test_compiled_prediction_on_the_gpu_is_one_graph_and_predicts_what_eager_predicts(data_copy, tmp_path,
+@pytest.mark.slow  # make test-gpu-all: inductor compiles the model's Triton kernels
+def test_compiled_prediction_on_the_gpu_is_one_graph_and_predicts_what_eager_predicts(cpu_run, tmp_path,
                                                                                      monkeypatch):
     """`predict.compile` with inductor's GPU kernels, 6 images in batches of 4 and 2 (padded).
     Would catch: a graph break or a second graph that only CUDA shows (cuDNN, channels_last, the
@@ -460,8 +472,7 @@ def test_compiled_prediction_on_the_gpu_is_one_graph_and_predicts_what_eager_pre
 
     from cloudseg.compiled import graph_counts
 
-    run = tmp_path / "run"
-    train(load_config("configs/demo.yaml", [f"data.dir={data_copy}", *TINY, "train.epochs=1"]), run)
+    run, _ = cpu_run
     real_apply_rule, probabilities = predict_module.apply_rule, []
     monkeypatch.setattr(predict_module, "apply_rule",
                         lambda probs, *args: probabilities.append(probs) or real_apply_rule(probs, *args))
@@ -505,19 +516,31 @@ def test_cloudseg_memory_measures_on_the_gpu(capsys):
     assert all(int(row[-1]) >= 2 for row in fits)  # the 80 GB column
 
 
-def test_cloudseg_memory_under_a_cap_trains_every_precision_and_mode(capsys, process_cap_restored):
-    """`--limit-gb 1`: real training steps under a 1 GB cap, fp16 and bf16, each checkpointing
-    mode, with the retry and both autos. Would catch: the cap refused on CUDA (the crash of
-    2026-11-23: torch.device("cuda") without an index), a precision or mode left out, a row that
-    did not train at micro-batch 2. Assumes: the tiny step fits 1 GB at micro-batch 4."""
-    assert main(["memory", "--limit-gb", "1", *MEMORY]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("fp16 ", "bf16 "))]
-    assert [row[:2] for row in rows] == [[p, m] for p in ("fp16", "bf16") for m in ("none", "encoder", "full", "auto")]
+def test_cloudseg_memory_under_a_cap_trains_every_precision_and_mode():
+    """`--limit-gb 2`: real training steps under a 2 GB cap, fp16 and bf16, each checkpointing
+    mode, with the retry and both autos, in a process of its own as a user runs it. Would catch:
+    the cap refused on CUDA (the crash of 2026-11-23: torch.device("cuda") without an index), a
+    precision or mode left out, a row that did not train at micro-batch 2. Assumes: the tiny step
+    fits at micro-batch 4 in what the cap leaves usable (2 GB less the 10% margin and the 0.38 GiB
+    assumed outside the allocator with the GPU decode: 1.3 GiB).
+
+    Until 2026-11-26 this ran in the test process under a 1 GB cap (0.46 GiB usable) and failed on an
+    H100 (passed on 2026-11-25 with the same memory code), its reason lost. The likely cause, not yet
+    confirmed on a GPU: in the test process cuDNN's benchmark mode (left on by an earlier test's
+    training) reuses the algorithms it chose for these very shapes in the uncapped test above, their
+    workspaces picked with 80 GB free, so the capped peaks depend on the tests before; a user's fresh
+    `cloudseg memory` process inherits none of that. The whole output is in every assertion's message."""
+    result = subprocess.run([sys.executable, "-m", "cloudseg", "memory", "--limit-gb", "2", *MEMORY],
+                            capture_output=True, text=True, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("fp16 ", "bf16 "))]
+    assert [row[:2] for row in rows] == [[p, m] for p in ("fp16", "bf16") for m in ("none", "encoder", "full", "auto")], out
     for row in rows:
         if row[1] == "auto":
-            assert row[2:] == ["->", "none"], row  # the least recomputation: everything fits
+            assert row[2:] == ["->", "none"], out  # the least recomputation: everything fits
         else:
-            assert float(row[2]) > 0 and row[3:] == ["2", "4", "yes"], row
+            assert float(row[2]) > 0 and row[3:] == ["2", "4", "yes"], out
 
 
 # ---------------------------------------------------------------------------------- resume
@@ -591,8 +614,10 @@ NOISE_FACTOR = 4
 FLOOR = 1e-5
 
 
+@pytest.mark.slow  # make test-gpu-all: four trainings (two of them stopped) and two resumes
 def test_default_resume_on_the_gpu_is_within_the_noise_of_two_straight_runs(data_copy, tmp_path, monkeypatch,
-                                                                             wrap_built_models, switches_restored):
+                                                                             wrap_built_models, switches_restored,
+                                                                             record_property):
     """Without train.deterministic (cuDNN benchmark mode, atomics): two straight runs and a
     stopped-and-resumed one, all on the GPU, fp32 without TF32. Would catch: a resume that does
     not continue the same run (data order, augmentation, optimizer, scheduler or scaler state),
@@ -607,12 +632,15 @@ def test_default_resume_on_the_gpu_is_within_the_noise_of_two_straight_runs(data
     resumed = stopped_and_resumed(options, tmp_path / "resumed", wrap_built_models)
     a, b = (load_checkpoint(tmp_path / run / "last.pt")["model"] for run in ("a", "b"))
     bound = NOISE_FACTOR * relative_distance(a, b) + FLOOR
+    record_property("straight_runs", f"{relative_distance(a, b):.3g}")
+    record_property("resumed", f"{relative_distance(a, resumed['model']):.3g}")
     assert relative_distance(a, resumed["model"]) <= bound, (relative_distance(a, resumed["model"]), bound)
 
     real_restore = train_module.restore
     monkeypatch.setattr(train_module, "restore", lambda state, path, **parts: real_restore(
         state, path, **{name: part for name, part in parts.items() if name != "optimizer"}))
     broken = stopped_and_resumed(options, tmp_path / "broken", wrap_built_models)
+    record_property("control", f"{relative_distance(a, broken['model']):.3g}")
     assert relative_distance(a, broken["model"]) > bound, (relative_distance(a, broken["model"]), bound)
 
 
@@ -736,18 +764,37 @@ def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_pa
     assert syncs.counts["segment rows"] - before == len(bands) == len(tiling(150, 230, (64, 96), 0.25).tops)
 
 
-def test_a_jpeg_scene_is_decoded_on_the_gpu_as_opencv_decodes_it(tmp_path):
+# nvJPEG against OpenCV (libjpeg-turbo), per chroma subsampling of the file: (mean, 99.9th percentile)
+# of |difference| in levels. torchvision creates nvJPEG with its default flags, which upsample 4:2:0
+# chroma by repetition (nearest neighbour); libjpeg-turbo interpolates it ("fancy upsampling"). On this
+# test's saturated scene libjpeg-turbo's own non-fancy decode (`djpeg -nosmooth`, libjpeg-turbo 2.1.5,
+# 2026-11-26) differs from OpenCV's by mean 5.8, 99.9th percentile 27, max 41: the H100's max of
+# 2026-11-26 was 41 too. In 4:4:4 there is no upsampling, only the inverse DCT's rounding: libjpeg's
+# float against its integer DCT, mean 0.03, 99.9th percentile 2, max 3. A channel swap moves the mean
+# by about 42, a flip by 64, a shift by one column by about 10 (on this scene).
+JPEG_BOUNDS = {"4:4:4": (0.5, 4), "4:2:0": (8.0, 32)}
+SAMPLING = {"4:4:4": 0x111111, "4:2:0": 0x221111}  # cv2.IMWRITE_JPEG_SAMPLING_FACTOR's values
+
+
+@pytest.mark.parametrize("sampling", JPEG_BOUNDS)
+def test_a_jpeg_scene_is_decoded_on_the_gpu_as_opencv_decodes_it(sampling, tmp_path, record_property):
     """ImageScene on a GPU decodes with nvJPEG (through the stream-safe decode) and keeps the pixels
-    there. Would catch: a JPEG scene decoded on the host and copied per window, or a decode other
-    than OpenCV's beyond nvJPEG's few levels. Assumes: nothing."""
+    there. Would catch: a JPEG scene decoded on the host and copied per window, and a decode other
+    than OpenCV's beyond the chroma upsampling and rounding that JPEG_BOUNDS explains (a channel
+    swap, a flip, a shift). Records the mean, 99.9th percentile and maximum difference. Assumes:
+    nothing."""
     import cv2
 
     from cloudseg.geo import ImageScene
     from tests.test_segment import smooth_scene
 
     path = tmp_path / "scene.jpg"
-    cv2.imwrite(str(path), smooth_scene(300, 500))
+    cv2.imwrite(str(path), smooth_scene(300, 500), [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, SAMPLING[sampling]])
     on_gpu, on_cpu = ImageScene(path, gpu()), ImageScene(path, "cpu")
     pixels, mask = on_gpu.read(10, 20, 64, 96)
     assert pixels.device.type == "cuda" and mask is None
-    assert (on_gpu.pixels.cpu().int() - on_cpu.pixels.int()).abs().max() <= 16
+    difference = (on_gpu.pixels.cpu().int() - on_cpu.pixels.int()).abs().double()
+    mean, high = float(difference.mean()), float(difference.flatten().quantile(0.999))
+    for name, value in (("mean", mean), ("p99.9", high), ("max", float(difference.max()))):
+        record_property(name, f"{value:.3g}")
+    assert mean <= JPEG_BOUNDS[sampling][0] and high <= JPEG_BOUNDS[sampling][1], (sampling, mean, high, JPEG_BOUNDS)

@@ -56,10 +56,11 @@ def test_predict_without_any_best_checkpoint_names_the_problem(project):
     assert result.returncode != 0 and "make predict: no run with best.pt" in result.stdout
 
 
-def test_test_gpu_without_cuda_says_so_and_fails(project):
-    """CUDA hidden from PyTorch (on any machine). Catches `make test-gpu` running pytest anyway,
-    where every gpu test is skipped and the run "passes" having checked nothing."""
-    result = subprocess.run(["make", "-f", str(MAKEFILE), "-C", str(project), "--no-print-directory", "test-gpu",
+@pytest.mark.parametrize("target", ["test-gpu", "test-gpu-all"])
+def test_test_gpu_without_cuda_says_so_and_fails(project, target):
+    """CUDA hidden from PyTorch (on any machine). Catches `make test-gpu` (or its whole tier)
+    running pytest anyway, where every gpu test is skipped and the run "passes" having checked nothing."""
+    result = subprocess.run(["make", "-f", str(MAKEFILE), "-C", str(project), "--no-print-directory", target,
                              f"PY={sys.executable}"], capture_output=True, text=True,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode != 0 and "make test-gpu: needs a CUDA GPU" in result.stdout
