@@ -67,7 +67,8 @@ help:
 	@echo "               memory, deterministic resume, segment; about 3 minutes on an H100)"
 	@echo "make test-gpu-all  also the gpu tests marked slow (compiled step and prediction, default-resume noise)"
 	@echo "make test-oldest  the fast suite on the oldest PyTorch pyproject.toml allows (torch $(TORCH_FLOOR), in $(OLDEST_VENV))"
-	@echo "make bench     print benchmark tables (RLE codec, tuning, training and inference speed, segment)"
+	@echo "make bench     on a GPU: every GPU figure in bench/report.md (about 6 minutes; BENCH_ARGS=--candidates ...);"
+	@echo "               on a CPU: the tables of the RLE codec, tuning, training and inference speed, segment"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
 
 install: $(STAMP)
@@ -120,11 +121,17 @@ test-oldest: | $(UV)
 	$(OLDEST_VENV)/bin/python -c "import torch; print('make test-oldest: torch', torch.__version__)"
 	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
+# make bench: on a CUDA GPU, every GPU figure in one report of about 6 minutes (benchmarks/report.py:
+# training, memory caps, segment, an epoch, predict; BENCH_ARGS="--candidates", "--out FILE", ...);
+# without one, the CPU tables of the four scripts.
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(PY) benchmarks/rle_speed.py
-	$(PY) benchmarks/tune_speed.py
-	$(PY) benchmarks/train_speed.py
-	$(PY) benchmarks/segment_speed.py
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+	  $(PY) benchmarks/report.py $(BENCH_ARGS); \
+	else \
+	  $(PY) benchmarks/rle_speed.py && $(PY) benchmarks/tune_speed.py && \
+	  $(PY) benchmarks/train_speed.py && $(PY) benchmarks/segment_speed.py; \
+	fi
 
 lock: | $(UV)
 	$(UV) pip compile -q pyproject.toml --extra dev --extra geo --python-version 3.11 -o requirements.txt

@@ -1,0 +1,277 @@
+"""`make bench` on a GPU: every GPU figure the project claims, in one run of a few minutes, written
+as one markdown report (default bench/report.md, git-ignored).
+
+Parts, in this order (a part runs while the time budget lasts; each has its own limit, is killed
+with its process group at that limit, and keeps what it printed by then):
+
+  training   benchmarks/train_speed.py: careful Lightning and cloudseg's step, eager and compiled,
+             bf16 and fp16, the checkpointing modes, the compiled step's time split, inference
+             with 4-flip TTA, loading; its JSON feeds the epoch part
+  memory     `cloudseg memory --limit-gb 6` and `8` (configs/fullres.yaml): real steps under each
+             cap, what checkpointing auto picks there and its peak
+  segment    benchmarks/segment_speed.py: rows a-f and the fixed cost of a call
+  epoch      `cloudseg train` end to end on synthetic full-size data (2 epochs): the second epoch's
+             images/s against the compiled step's
+  predict    `cloudseg predict` with 4-flip TTA on that run's Kaggle-size test images, end to end
+  (opt-in)   --candidates: the step's speed-up candidates of issue #37 (train_speed.py
+             --candidates); --autotune: inductor's max-autotune row, whose compile alone is minutes
+
+Expected on one H100 (estimates from the 2026-11-25/26 figures, to be replaced by the first run's
+own part times, which the report records): training 150-200 s (five inductor compiles of the
+full-size step and the inference graph, FX-graph cache cold), memory 40-60 s, segment 60-90 s (two
+new processes of ~34 s for the fixed cost), epoch 60 s, predict 20-30 s: about 6 minutes with a
+cold cache. inductor's cache goes to bench/inductor-cache (TORCHINDUCTOR_CACHE_DIR, unless set), so
+a second `make bench` on the same machine compiles from it.
+
+--tiny runs every part at toy sizes (the CPU test of this script, tests/test_bench_report.py):
+the same commands and flags, only sizes and device differ, so the GPU run cannot fail on a typo.
+
+Usage: python benchmarks/report.py [--out bench/report.md] [--budget-s 360] [--device auto|cpu|cuda]
+       [--parts training memory segment epoch predict] [--candidates] [--autotune] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from cloudseg.cli import add_device_option
+from cloudseg.files import atomic_path
+from cloudseg.hardware import resolve_device, resolve_precision
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("training", "memory", "segment", "epoch", "predict")
+LIMIT_S = {"training": 240, "memory": 120, "segment": 150, "epoch": 150, "predict": 90, "candidates": 240,
+           "autotune": 480}  # each part's own limit, within the budget left
+CAPS_GB = (6, 8)
+
+
+@dataclass
+class Sizes:
+    """What each part runs on: the real sizes on a GPU, toy ones for --tiny."""
+
+    training: list[str]
+    segment: list[str]
+    synth: list[str]
+    train: list[str]  # the config file, then overrides
+    memory: list[str]
+    caps: tuple[int, ...]
+
+
+FULL = Sizes(training=["--steps", "4", "--warmup", "2"],
+             segment=["--tile", "1400", "2100", "--height", "7000", "--width", "18000", "--scenes", "1",
+                      "--repeat", "1", "--config", "configs/fullres.yaml"],
+             synth=["--n-train", "160", "--n-test", "32"],  # Kaggle's 1400x2100: synth's default size
+             train=["configs/fullres.yaml", "model.encoder_weights=null", "train.epochs=2", "data.num_workers=8"],
+             memory=["-c", "configs/fullres.yaml", "model.encoder_weights=null"], caps=CAPS_GB)
+TINY = Sizes(training=["--height", "64", "--width", "96", "--encoder", "resnet18", "--micro-batch", "2",
+                       "--effective-batch", "4", "--steps", "1", "--warmup", "1", "--loader-size", "64", "96",
+                       "--loader-images", "2"],
+             segment=["--tile", "64", "96", "--height", "128", "--width", "192", "--scenes", "1", "--repeat", "1",
+                      "--no-fixed-cost"],
+             synth=["--n-train", "12", "--n-test", "4", "--height", "64", "--width", "96"],
+             train=["configs/demo.yaml", "train.epochs=2", "data.num_workers=0", "data.n_folds=3",
+                    "model.decoder_channels=[32,32]", "model.cls_head=false"],
+             memory=["-c", "configs/demo.yaml", "data.image_size=[64,96]"], caps=())  # a cap needs CUDA
+
+
+@dataclass
+class Report:
+    """The run's state: where it writes, what is left of the budget, and the markdown so far."""
+
+    out: Path
+    work: Path
+    device: torch.device
+    sizes: Sizes
+    deadline: float
+    sections: list[str] = field(default_factory=list)
+    summary: list[tuple[str, float, str]] = field(default_factory=list)
+
+    def run(self, part: str, command: list[str], limit_s: float) -> tuple[str, str]:
+        """Run `command` (python arguments) in its own process group, killed at `limit_s`; returns
+        (its output, status: ok, "exit N" or "cut at N s"). The output goes to a file as it comes,
+        so a part cut short keeps what it printed."""
+        log = self.work / f"{part}-{len(self.summary)}.log"
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        environment.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.out.parent / "inductor-cache"))
+        with open(log, "w") as sink:
+            process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=environment, stdout=sink,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                status = f"exit {process.wait(timeout=limit_s)}".replace("exit 0", "ok")
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                status = f"cut at {limit_s:.0f} s"
+        return log.read_text(), status
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def markdown(output: str) -> str:
+    """A script's output as markdown: its pipe tables as tables, every other line in text blocks."""
+    blocks, lines = [], output.rstrip().splitlines()
+    for line in lines:
+        kind = "table" if line.lstrip().startswith("|") else "text"
+        if not blocks or blocks[-1][0] != kind:
+            blocks.append((kind, []))
+        blocks[-1][1].append(line)
+    return "\n\n".join("\n".join(body) if kind == "table" else "```text\n" + "\n".join(body) + "\n```"
+                       for kind, body in blocks if any(line.strip() for line in body))
+
+
+def part_training(report: Report, extra: list[str] = (), name: str = "training") -> str:
+    command = ["benchmarks/train_speed.py", "--device", report.device.type, "--profile", *report.sizes.training,
+               "--json", str(report.work / f"{name}.json"), *extra]
+    return section(report, name, command)
+
+
+def part_memory(report: Report) -> str:
+    caps = report.sizes.caps or (None,)
+    texts = [section(report, "memory", ["-m", "cloudseg", "memory", *report.sizes.memory, f"train.device={report.device.type}",
+                                        *(["--limit-gb", str(cap)] if cap else [])]) for cap in caps]
+    return "\n\n".join(texts)
+
+
+def part_segment(report: Report) -> str:
+    return section(report, "segment", ["benchmarks/segment_speed.py", "--device", report.device.type,
+                                       *report.sizes.segment])
+
+
+def part_epoch(report: Report) -> str:
+    """A real training run on synthetic data, then its second epoch against the step of the training part."""
+    data, run = report.work / "data", report.work / "run"
+    text = section(report, "epoch", ["-m", "cloudseg", "synth", "--out", str(data), *report.sizes.synth])
+    config, *overrides = report.sizes.train
+    text += "\n\n" + section(report, "epoch", ["-m", "cloudseg", "train", "-c", config, "--out", str(run), *overrides,
+                                               f"data.dir={data}", f"train.device={report.device.type}"],
+                             keep_lines=8)
+    return text + "\n\n" + epoch_against_step(run / "metrics.csv", report.work / "training.json", report.device)
+
+
+def epoch_against_step(metrics_csv: Path, training_json: Path, device: torch.device) -> str:
+    """| epoch | images/s end to end | the step's images/s | share |, the step being the training
+    part's cloudseg row that `cloudseg train` runs here (compiled on CUDA, in its auto precision)."""
+    if not metrics_csv.is_file() or not training_json.is_file():
+        return f"(no comparison: {metrics_csv.name if not metrics_csv.is_file() else training_json.name} missing)"
+    rows = json.loads(training_json.read_text())["rows"]
+    precision = resolve_precision("auto", device) if device.type == "cuda" else "fp32"
+    wanted = f"e. cloudseg compiled, {precision}" if device.type == "cuda" else f"d. cloudseg eager, {precision}"
+    name = next((row for row, figures in rows.items() if row.startswith(wanted) and figures), None)
+    if name is None:
+        return f"(no comparison: the training part has no row '{wanted}')"
+    step = rows[name][0]
+    lines = ["| epoch | images/s end to end | step images/s | share of the step |", "|---|---|---|---|"]
+    for epoch, rate in pd.read_csv(metrics_csv)[["epoch", "images_per_s"]].itertuples(index=False):
+        lines.append(f"| {epoch} | {rate:.2f} | {step:.2f} ({name}) | {rate / step:.1%} |")
+    return "\n".join(lines)
+
+
+def part_predict(report: Report) -> str:
+    """`cloudseg predict` with 4-flip TTA on the epoch part's run, timed end to end (start-up,
+    loading, compiling included)."""
+    checkpoint = report.work / "run" / "best.pt"
+    if not checkpoint.is_file():
+        return "(skipped: the epoch part left no best.pt)"
+    test_images = len(list((report.work / "data" / "test_images").glob("*.jpg")))
+    start = time.monotonic()
+    text = section(report, "predict", ["-m", "cloudseg", "predict", "--checkpoint", str(checkpoint),
+                                       "--out", str(report.work / "submission.csv"), "--device", report.device.type,
+                                       "predict.tta=d4-lite"], keep_lines=6)
+    seconds = time.monotonic() - start
+    return text + (f"\n\n{test_images} test images with 4-flip TTA in {seconds:.1f} s end to end: "
+                   f"{test_images / seconds:.2f} images/s (a new process: imports, loading and compiling included)")
+
+
+def section(report: Report, part: str, command: list[str], keep_lines: int | None = None) -> str:
+    """Runs one command of `part` within its limit and the budget; its output as markdown. `keep_lines`:
+    only the output's last lines (a training run's log)."""
+    limit = min(LIMIT_S[part], report.left_s())
+    start = time.monotonic()
+    output, status = report.run(part, command, limit)
+    seconds = time.monotonic() - start
+    report.summary.append((" ".join(command[:3]), seconds, status))
+    if keep_lines:
+        output = "\n".join(output.splitlines()[-keep_lines:])
+    shown = " ".join(["python", *command]).replace(str(report.work), "WORK")
+    return f"`{shown}`: {status}, {seconds:.1f} s\n\n{markdown(output)}"
+
+
+PART_FUNCTIONS = {"training": part_training, "memory": part_memory, "segment": part_segment, "epoch": part_epoch,
+                  "predict": part_predict}
+
+
+def header(device: torch.device, budget_s: float) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cudnn = torch.backends.cudnn.version()
+        what = f"{name}, CUDA {torch.version.cuda}, cuDNN {cudnn}"
+    else:
+        what = f"CPU ({platform.processor() or platform.machine()})"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return (f"# cloudseg benchmark report\n\n{what}; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
+            f"commit {commit or 'unknown'}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+            f"budget {budget_s:.0f} s")
+
+
+def write(report: Report, head: str) -> None:
+    """The report as it stands: written after every part, so a run cut short leaves a valid one."""
+    rows = ["| command | seconds | status |", "|---|---|---|",
+            *(f"| `{command}` | {seconds:.1f} | {status} |" for command, seconds, status in report.summary)]
+    text = "\n\n".join([head, "\n".join(rows), *report.sections]) + "\n"
+    with atomic_path(report.out) as tmp:
+        tmp.write_text(text)
+
+
+def main() -> None:
+    args = parse_args()
+    device = resolve_device(args.device)
+    parts = [*args.parts, *(["candidates"] if args.candidates else []), *(["autotune"] if args.autotune else [])]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    work = args.out.parent / "work"  # this script's own scratch folder: emptied first
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    report = Report(args.out, work, device, TINY if args.tiny else FULL, time.monotonic() + args.budget_s)
+    head = header(device, args.budget_s)
+    for part in parts:
+        if report.left_s() < 10:
+            text = f"left out: the budget of {args.budget_s:.0f} s is spent"
+        elif part in ("candidates", "autotune"):
+            text = part_training(report, [f"--{part}", "--no-profile"], part)
+        else:
+            text = PART_FUNCTIONS[part](report)
+        report.sections.append(f"## {part}\n\n{text}")
+        write(report, head)
+        print(f"report: {part} done, {report.left_s():.0f} s of the budget left", flush=True)
+    print(f"wrote {args.out}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "report.md")
+    parser.add_argument("--budget-s", type=float, default=360, help="wall-clock seconds for all parts together")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--candidates", action="store_true", help="also the step's speed-up candidates (issue #37)")
+    parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune row (minutes of compile)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes: the CPU test of this script")
+    add_device_option(parser, "the benchmarks run")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""`make bench`'s GPU report (benchmarks/report.py), proven on the CPU before it meets a GPU: every
+part end to end at toy sizes beside the fake GPU, the GPU plan's arguments parsed by the parsers
+that will read them, the budget's cut, and the pieces that turn outputs into markdown."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pandas as pd
+import pytest
+import torch
+
+from cloudseg.cli import build_parser
+from cloudseg.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+report = load_script("report")
+
+
+def run_report(tmp_path, *options: str) -> tuple[str, str]:
+    out = tmp_path / "bench" / "report.md"
+    result = subprocess.run([sys.executable, "benchmarks/report.py", "--tiny", "--device", "cpu", "--out", str(out),
+                             *options], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out.read_text(), result.stdout
+
+
+@pytest.mark.parametrize("parts", [("training", "memory"), ("segment", "epoch", "predict")])
+def test_every_part_runs_end_to_end_at_toy_sizes(parts, tmp_path):
+    """Each part's commands, on the CPU beside the fake GPU, at toy sizes: every command exits 0, and
+    the report holds each part's section and table. Would catch: a flag or override that a script
+    or cloudseg refuses (the GPU plan passes the same ones), a part whose table is lost, the epoch
+    part not finding its run or the training part's row, the predict part not finding the run.
+    (Two tests, so that the suite's two workers share the minutes.)"""
+    text, _ = run_report(tmp_path, "--budget-s", "900", "--parts", *parts)
+    summary = text.split("\n## ")[0]
+    assert "| ok |" in summary and "| exit" not in summary and "| cut at" not in summary, summary
+    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(parts)
+    expected = {"training": ["| d. cloudseg eager, fp32 |", "batch-norm backend"],
+                "memory": ["auto picks", "breakdown at micro-batch"],
+                "segment": ["| f. cloudseg segment, no model, overlap 0.25 (batch 4) |"],
+                "epoch": ["best validation Dice", "(no comparison: training.json missing)"],  # training not run here
+                "predict": ["test images with 4-flip TTA in"]}
+    for part in parts:
+        for snippet in expected[part]:
+            assert snippet in text, (part, snippet, text)
+
+
+def test_the_budget_cuts_a_part_and_leaves_out_the_rest(tmp_path):
+    """A budget of 12 s: the first part's command (a minute at least here) is killed at what is left
+    (its process group, so that the report goes on), and the next part is left out, saying so (a
+    part starts only with 10 s left); the report is still written whole. Would catch: a part that outlives the budget (make bench past its window), a
+    cut part that ends the report, a left-out part that is silently missing."""
+    text, stdout = run_report(tmp_path, "--budget-s", "12", "--parts", "segment", "training")
+    assert re.search(r"\| cut at 1[12] s \|", text), text
+    assert "## training\n\nleft out: the budget of 12 s is spent" in text, text
+    assert "wrote" in stdout
+
+
+@pytest.mark.parametrize("script, command", [("train_speed", "training"), ("segment_speed", "segment")])
+def test_the_gpu_plan_s_script_arguments_parse(script, command, monkeypatch):
+    """The FULL plan's arguments of each benchmark script, parsed by that script's own parser (the
+    device set to cpu, which is all that differs). Would catch: a typo in the GPU plan's flags,
+    which the toy-size run above never passes (its sizes differ)."""
+    module = load_script(script)
+    arguments = {"training": ["--profile", *report.FULL.training], "segment": report.FULL.segment}[command]
+    monkeypatch.setattr(sys, "argv", [script, "--device", "cpu", *arguments])
+    parsed = module.parse_args()
+    assert parsed is not None
+
+
+def test_the_gpu_plan_s_cloudseg_commands_and_overrides_parse():
+    """The FULL plan's `cloudseg train`, `memory` and `predict` command lines parsed by the CLI's
+    parser, and their config overrides applied to their configs. Would catch: an unknown option or
+    config key in the GPU plan (cloudseg refuses both)."""
+    parser = build_parser()
+    config, *overrides = report.FULL.train
+    assert parser.parse_args(["train", "-c", config, "--out", "run", *overrides, "data.dir=d", "train.device=cuda"])
+    load_config(config, [*overrides, "train.device=cuda"])
+    for cap in report.FULL.caps:
+        parser.parse_args(["memory", *report.FULL.memory, "train.device=cuda", "--limit-gb", str(cap)])
+    load_config(report.FULL.memory[1], report.FULL.memory[2:])
+    parser.parse_args(["predict", "--checkpoint", "best.pt", "--out", "s.csv", "--device", "cuda", "predict.tta=d4-lite"])
+
+
+def test_markdown_keeps_tables_and_fences_the_rest():
+    """Would catch: a table inside a code block (it would not render), or text lines run together
+    into one paragraph."""
+    output = "title line\nsecond line\n| a | b |\n|---|---|\n| 1 | 2 |\nafter\n\n"
+    assert report.markdown(output) == ("```text\ntitle line\nsecond line\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |"
+                                       "\n\n```text\nafter\n```")
+
+
+def test_the_epoch_is_compared_with_the_step_that_training_runs(tmp_path):
+    """On CUDA the compiled row of the GPU's auto precision (bf16 on an H100, fp16 before Ampere);
+    figures by hand: 30 and 45 images/s against 60 are 50.0% and 75.0%. Would catch: the eager
+    row or the other precision taken, or the share inverted."""
+    metrics = tmp_path / "metrics.csv"
+    pd.DataFrame({"epoch": [1, 2], "images_per_s": [30.0, 45.0]}).to_csv(metrics, index=False)
+    figures = tmp_path / "training.json"
+    figures.write_text(json.dumps({"rows": {"d. cloudseg eager, bf16": [40.0, 9.0], "e. cloudseg compiled, bf16": [60.0, 9.0],
+                                            "e. cloudseg compiled, fp16": [66.0, 9.0]}}))
+    with mock.patch.object(report, "resolve_precision", lambda precision, device: "bf16"):
+        table = report.epoch_against_step(metrics, figures, torch.device("cuda"))
+    assert "| 1 | 30.00 | 60.00 (e. cloudseg compiled, bf16) | 50.0% |" in table
+    assert "| 2 | 45.00 | 60.00 (e. cloudseg compiled, bf16) | 75.0% |" in table
