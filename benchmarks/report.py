@@ -99,6 +99,7 @@ class Report:
     deadline: float
     sections: list[str] = field(default_factory=list)
     summary: list[tuple[str, float, str]] = field(default_factory=list)
+    part_deadline: float = 0.0  # the running part's own limit, however many commands it runs
 
     def run(self, part: str, command: list[str], limit_s: float) -> tuple[str, str]:
         """Run `command` (python arguments) in its own process group, killed at `limit_s`; returns
@@ -121,6 +122,9 @@ class Report:
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
+
+    def start_part(self, part: str) -> None:
+        self.part_deadline = time.monotonic() + LIMIT_S[part]
 
 
 def markdown(output: str) -> str:
@@ -194,6 +198,8 @@ def part_predict(report: Report) -> str:
                                        "--out", str(report.work / "submission.csv"), "--device", report.device.type,
                                        "predict.tta=d4-lite"], keep_lines=6)
     seconds = time.monotonic() - start
+    if report.summary[-1][2] != "ok":
+        return text
     return text + (f"\n\n{test_images} test images with 4-flip TTA in {seconds:.1f} s end to end: "
                    f"{test_images / seconds:.2f} images/s (a new process: imports, loading and compiling included)")
 
@@ -201,7 +207,9 @@ def part_predict(report: Report) -> str:
 def section(report: Report, part: str, command: list[str], keep_lines: int | None = None) -> str:
     """Runs one command of `part` within its limit and the budget; its output as markdown. `keep_lines`:
     only the output's last lines (a training run's log)."""
-    limit = min(LIMIT_S[part], report.left_s())
+    limit = min(report.part_deadline - time.monotonic(), report.left_s())
+    if limit < 1:
+        return f"`{command[0]} {command[1]}`: left out, the part's {LIMIT_S[part]} s are spent"
     start = time.monotonic()
     output, status = report.run(part, command, limit)
     seconds = time.monotonic() - start
@@ -249,6 +257,7 @@ def main() -> None:
     report = Report(args.out, work, device, TINY if args.tiny else FULL, time.monotonic() + args.budget_s)
     head = header(device, args.budget_s)
     for part in parts:
+        report.start_part(part)
         if report.left_s() < 10:
             text = f"left out: the budget of {args.budget_s:.0f} s is spent"
         elif part in ("candidates", "autotune"):
