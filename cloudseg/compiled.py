@@ -41,9 +41,19 @@ def resolve_compile(setting: bool | str, device: torch.device, key: str = "train
     return device.type == "cuda"
 
 
-def compiled(function):
-    """`function` under torch.compile with one graph per input shape."""
-    return torch.compile(function, backend=BACKEND, dynamic=False)
+# train.speedups.autotune: inductor's options for each setting. "all" is torch's own
+# max-autotune-no-cudagraphs mode: no CUDA graphs, which would keep a copy of every input and
+# replay the step outside the accumulation's control.
+AUTOTUNE = {"off": {}, "reductions": {"coordinate_descent_tuning": True},
+            "all": torch._inductor.list_mode_options("max-autotune-no-cudagraphs")}
+
+
+def compiled(function, autotune: str = "off"):
+    """`function` under torch.compile with one graph per input shape; `autotune` (a key of
+    AUTOTUNE) sets inductor's autotuning for this compile only. Other backends (the tests'
+    aot_eager) generate no kernels to tune: they get none of inductor's options."""
+    options = AUTOTUNE[autotune] if BACKEND == "inductor" else {}
+    return torch.compile(function, backend=BACKEND, dynamic=False, options=options or None)
 
 
 def graph_counts() -> tuple[int, int]:
