@@ -53,6 +53,7 @@ import json
 import multiprocessing
 import os
 import platform
+import sys
 import tempfile
 import time
 
@@ -183,6 +184,7 @@ def winning(candidates: dict, base, again) -> tuple[list[str], float | None]:
 def in_fresh_process(config, args, precision, speedups):
     """A compiled row timed in a new process (spawned: CUDA cannot fork), with cuDNN's algorithm
     search as `speedups` says; the same synthetic batches, made again there."""
+    sys.stdout.flush()  # what this process printed comes before what the new one prints
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_row_in_this_process, (config, args, precision, speedups))
 
@@ -191,7 +193,11 @@ def _row_in_this_process(config, args, precision, speedups):
     compiled.BACKEND = args.backend
     speed_switches(args.device, cudnn_search=speedups.cudnn_search)
     batches = synthetic_batches(args, args.device)
-    return timed(args.device, lambda: cloudseg(config, batches, args, args.device, precision, "none", True, speedups))
+    try:
+        return timed(args.device, lambda: cloudseg(config, batches, args, args.device, precision, "none", True,
+                                                   speedups))
+    finally:
+        sys.stdout.flush()  # the pool ends its process without flushing
 
 
 def parse_args():
