@@ -226,8 +226,9 @@ def parse_args():
                              "max-autotune-no-cudagraphs: likely 10 minutes or more of compiling at full size)")
     parser.add_argument("--backend", default=compiled.BACKEND, help="torch.compile backend of the compiled rows")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction,
-                        help="time per op of one window in each precision, eager and (with --compiled) compiled "
-                             "(torch.profiler; default on CUDA)")
+                        help="the split of one window in each precision, eager and (with --compiled) compiled: time "
+                             "per image by kernel family, and the top kernels (torch.profiler; default on CUDA; on a "
+                             "CPU each op's CPU time, AdamW's per-tensor ops among 'other')")
     parser.add_argument("--trace", metavar="DIR", help="with --profile, also write each profiled window's Chrome trace "
                                                        "(chrome://tracing, Perfetto) into DIR")
     parser.add_argument("--loader-images", type=int, default=8)

@@ -10,6 +10,7 @@ compiles the model's forward in eval mode, one graph for every batch (predict pa
 last one). Validation and out-of-fold prediction run eagerly: at their own batch sizes they
 would each be another graph to wait for, for a few hundred images. engine.window_norm_statistics
 keeps BatchNorm free of the Python float that would otherwise break the graph in every layer.
+`train.speedups.autotune` adds inductor's autotuning to the training compile (AUTOTUNE).
 """
 
 from __future__ import annotations

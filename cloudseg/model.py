@@ -2,7 +2,7 @@
 
 Data path: train.csv → Dataset → loader → **model** → loss → accumulated step → checkpoint →
 probabilities at 350×525 → post-process → submission, with the memory switches
-(channels_last and activation checkpointing).
+(channels_last and activation checkpointing) and train.speedups.pad_stem.
 """
 
 from __future__ import annotations

@@ -203,8 +203,9 @@ def test_inductor_with_autotuning_trains_what_the_default_compile_trains(autotun
 def test_on_a_gpu_each_speedup_trains_what_the_default_compiled_step_trains(candidate, cudnn_restored):
     """float64 SGD, one window, compiled with inductor: the update with the candidate against the
     update without it, relative to its size (GPU_UPDATE_RTOL, tests/test_compile.py: other
-    summation orders than the CPU's); then in bf16 the step is still one graph. cudnn_search runs
-    first so that its shapes are searched afresh (cuDNN keeps a pick for the process's life).
+    summation orders than the CPU's); then in bf16 the step is still one graph. cudnn_search's run
+    comes first, but where an earlier test in the process ran these shapes cuDNN keeps that pick
+    (for the process's life): then only the switch's path is checked, not a new algorithm.
     Would catch: a candidate that changes the update on the GPU beyond summation order (a
     template in a lower precision), a graph break or recompile only CUDA shows."""
     from torch._dynamo.utils import counters
