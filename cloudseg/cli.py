@@ -353,7 +353,8 @@ def run_memory(args) -> None:
     config = load_config(args.config, args.overrides)
     micro_batch = args.micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 4)
     device = resolve_device(config.train.device)
-    speed_switches(device, config.train.deterministic)  # as train.start does: the step training runs
+    # as train.start does: the step training runs
+    speed_switches(device, config.train.deterministic, config.train.speedups.cudnn_search)
     if args.limit_gb is None:
         print(report(config, micro_batch, device))
     elif device.type != "cuda":

@@ -10,6 +10,7 @@ compiles the model's forward in eval mode, one graph for every batch (predict pa
 last one). Validation and out-of-fold prediction run eagerly: at their own batch sizes they
 would each be another graph to wait for, for a few hundred images. engine.window_norm_statistics
 keeps BatchNorm free of the Python float that would otherwise break the graph in every layer.
+`train.speedups.autotune` adds inductor's autotuning to the training compile (AUTOTUNE).
 """
 
 from __future__ import annotations
@@ -41,9 +42,19 @@ def resolve_compile(setting: bool | str, device: torch.device, key: str = "train
     return device.type == "cuda"
 
 
-def compiled(function):
-    """`function` under torch.compile with one graph per input shape."""
-    return torch.compile(function, backend=BACKEND, dynamic=False)
+# train.speedups.autotune: inductor's options for each setting. "all" is torch's own
+# max-autotune-no-cudagraphs mode: no CUDA graphs, which would keep a copy of every input and
+# replay the step outside the accumulation's control.
+AUTOTUNE = {"off": {}, "reductions": {"coordinate_descent_tuning": True},
+            "all": torch._inductor.list_mode_options("max-autotune-no-cudagraphs")}
+
+
+def compiled(function, autotune: str = "off"):
+    """`function` under torch.compile with one graph per input shape; `autotune` (a key of
+    AUTOTUNE) sets inductor's autotuning for this compile only. Other backends (the tests'
+    aot_eager) generate no kernels to tune: they get none of inductor's options."""
+    options = AUTOTUNE[autotune] if BACKEND == "inductor" else {}
+    return torch.compile(function, backend=BACKEND, dynamic=False, options=options or None)
 
 
 def graph_counts() -> tuple[int, int]:

@@ -88,6 +88,26 @@ class ModelConfig(Section):
         return self
 
 
+class SpeedupsConfig(Section):
+    """Exact-maths speed-ups of the compiled step (issue #37): each off until a GPU measurement
+    shows it faster (benchmarks/train_speed.py's rows h), each tested on the CPU to train the same
+    weights as without it."""
+
+    cudnn_search: bool = Field(
+        False, description="cuDNN's benchmark tries every convolution algorithm per shape (benchmark_limit 0) "
+        "instead of its first 10: the same maths, a longer first window"
+    )
+    autotune: Literal["off", "reductions", "all"] = Field(
+        "off", description="with train.compile, inductor's autotuning: reductions = coordinate-descent tuning of its "
+        "kernels (batch-norm statistics among them); all = max-autotune-no-cudagraphs (also convolutions against "
+        "Triton templates with fused epilogues; minutes more compiling)"
+    )
+    pad_stem: bool = Field(
+        False, description="the stem convolution runs on 4 input channels, its input and weight each padded with "
+        "a zero channel inside the forward: the same function and updates; checkpoints keep 3 channels"
+    )
+
+
 class TrainConfig(Section):
     epochs: int = Field(15, ge=1, description="passes over the training folds")
     micro_batch: int | Literal["auto"] = Field(
@@ -141,6 +161,9 @@ class TrainConfig(Section):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each micro-batch's forward and loss (one graph per micro-batch shape, "
         "compiled in the first window); auto = on with CUDA (where Triton is installed)"
+    )
+    speedups: SpeedupsConfig = Field(
+        SpeedupsConfig(), description="exact-maths speed-ups of the step, each off until measured on a GPU"
     )
 
     @model_validator(mode="after")
@@ -291,11 +314,13 @@ def dump(config: Config) -> str:
 
 def describe() -> str:
     """Every key with its type, default and one-line doc."""
-    lines = []
-    for section_name, section in Config.model_fields.items():
-        if not isinstance(section.default, BaseModel):
-            lines.append(f"{section_name} = {section.default!r}  # {section.description}")
-            continue
-        for name, field in type(section.default).model_fields.items():
-            lines.append(f"{section_name}.{name} = {field.default!r}  # {field.description}")
-    return "\n".join(lines)
+    return "\n".join(_described(Config, ""))
+
+
+def _described(section: type[BaseModel], prefix: str):
+    """One line per key of `section`, nested sections (train.speedups) key by key."""
+    for name, field in section.model_fields.items():
+        if isinstance(field.default, BaseModel):
+            yield from _described(type(field.default), f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name} = {field.default!r}  # {field.description}"

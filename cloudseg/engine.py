@@ -55,9 +55,10 @@ class StepContext:
     dice_weight: float = 1.0  # loss = BCE + dice_weight × soft Dice
     compile: bool = False  # train.compile: each micro-batch's forward and loss as one torch.compile graph
     cls_weight: float = 0.1  # + cls_weight × the classification head's BCE (a model with model.cls_head)
+    autotune: str = "off"  # train.speedups.autotune: inductor's autotuning of the compiled step
 
     def __post_init__(self):
-        self.losses = compiled(micro_batch_losses) if self.compile else micro_batch_losses
+        self.losses = compiled(micro_batch_losses, self.autotune) if self.compile else micro_batch_losses
 
 
 class StepResult(NamedTuple):

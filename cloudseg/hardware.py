@@ -111,12 +111,19 @@ def unsupported_gpu(index: int) -> str | None:
             f"reinstall with `make install TORCH_BACKEND={backend}`")
 
 
-def speed_switches(device: torch.device, deterministic: bool = False) -> None:
+CUDNN_BENCHMARK_LIMIT = 10  # PyTorch's default: cuDNN's benchmark times the first 10 algorithms its heuristics list
+
+
+def speed_switches(device: torch.device, deterministic: bool = False, cudnn_search: bool = False) -> None:
     """How kernels are chosen, for training and inference alike.
 
     Fast (the default): cuDNN benchmarks its convolution algorithms once per input shape and
     keeps the fastest, worth it here where a handful of shapes recur. Which algorithm wins, and
     the atomic additions of some kernels, make two runs differ in their last bits.
+    `cudnn_search` (train.speedups.cudnn_search): the benchmark times every algorithm cuDNN
+    offers for a shape, not the first CUDNN_BENCHMARK_LIMIT (the full-resolution weight gradients
+    may have a faster one further down); the same maths, a longer first window. PyTorch keeps
+    each shape's pick for the life of the process, whatever the limit was when it was made.
     `deterministic` (train.deterministic): PyTorch's deterministic algorithms (an error names any
     op that has none), cuDNN's deterministic ones without benchmarking, and the fixed cuBLAS
     workspace those require: a run repeats bit for bit (37.9 against 41-42 img/s on an H100).
@@ -128,6 +135,7 @@ def speed_switches(device: torch.device, deterministic: bool = False) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not deterministic
         torch.backends.cudnn.deterministic = deterministic
+        torch.backends.cudnn.benchmark_limit = 0 if cudnn_search else CUDNN_BENCHMARK_LIMIT
 
 
 # Autograd nodes whose CUDA kernel PyTorch has no deterministic version of: under

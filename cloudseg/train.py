@@ -41,8 +41,8 @@ from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_determ
 from cloudseg.loss import per_image_loss
 from cloudseg.memory import resolve_checkpointing, resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
-from cloudseg.model import (CloudNet, build_model, load_weights, prepare_for_training, set_checkpointing, train_mode,
-                            unwrapped)
+from cloudseg.model import (CloudNet, build_model, load_weights, pad_stem, prepare_for_training, set_checkpointing,
+                            train_mode, unwrapped)
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
 from cloudseg.postprocess import RULE_FILE, TOP_K, apply_rule, quantize, write_rule_file
 from cloudseg.predict import batch_probabilities
@@ -152,7 +152,8 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     train_set, valid_set = datasets(config, device)
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
     require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
-    speed_switches(device, config.train.deterministic)  # before the probes, so that they measure the same algorithms
+    # before the probes, so that they measure the same algorithms
+    speed_switches(device, config.train.deterministic, config.train.speedups.cudnn_search)
     model = training_model(config, train_set.image_size, device)
     dtype = autocast_dtype(config.train.precision, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
@@ -169,7 +170,8 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     elif distributed.is_main():
         create_run_dir(run_dir, config, train_set.skipped)
     step = StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight,
-                       resolve_compile(config.train.compile, device), config.train.cls_weight)
+                       resolve_compile(config.train.compile, device), config.train.cls_weight,
+                       autotune=config.train.speedups.autotune)
     run = assemble(config, run_dir, step, scheduler, (train_set, valid_set))
     run.history, run.ema = history, averaged(model, config.train.ema)
     run.peak_seconds = peak_seconds_per_image(config.model, train_set.image_size, device, distributed.world_size())
@@ -187,6 +189,7 @@ def training_model(config: Config, image_size, device: torch.device) -> CloudNet
     if config.model.norm == "frozen" and config.model.encoder_weights is None:
         log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
     prepare_for_training(model, config.train.channels_last, "none")
+    pad_stem(model, config.train.speedups.pad_stem)
     world = distributed.world_size()
     config.train.checkpointing = resolve_checkpointing(config, model, image_size, device, world)
     set_checkpointing(model, config.train.checkpointing)

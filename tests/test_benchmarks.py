@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from benchmarks import train_speed
+from benchmarks.train_speed import kernel_family, winning
 from cloudseg.config import load_config
 
 
@@ -22,33 +24,94 @@ ROWS = ("a. textbook loop", "b. Lightning at its defaults", "c. Lightning carefu
         "e. cloudseg compiled, fp32", "f. cloudseg eager, fp32, checkpointing=encoder",
         "f. cloudseg eager, fp32, checkpointing=full", "g. cloudseg compiled, fp32, checkpointing=encoder",
         "g. cloudseg compiled, fp32, checkpointing=full")
+CANDIDATE_ROWS = ("h. cloudseg compiled, fp32, cudnn_search", "h. cloudseg compiled, fp32, autotune=reductions",
+                  "h. cloudseg compiled, fp32, pad_stem", "e. cloudseg compiled, fp32, again")
 
 
 def test_training_benchmark_prints_its_table(tmp_path):
-    out = run(*TRAIN_SPEED, "--no-compiled", "--profile", "--json", str(tmp_path / "b.json"))
-    for row in ROWS:
+    out = run(*TRAIN_SPEED, "--no-compiled", "--candidates", "--profile", "--json", str(tmp_path / "b.json"))
+    for row in ROWS + CANDIDATE_ROWS:
         assert f"| {row}" in out
     assert "| e. cloudseg compiled, fp32 | skipped |" in out  # --no-compiled
+    assert "| h. cloudseg compiled, fp32, pad_stem | skipped |" in out and "autotune=all" not in out
+    assert "| i. cloudseg compiled, fp32, winners: none | skipped |" in out
     assert "data loading:" in out and "4-flip TTA, eager" in out and "3698 test images" in out
     assert "4-flip TTA, compiled" not in out  # --no-compiled
     assert "MFU:" in out and "targets" in out and "checkpointing=full, eager: time per image" in out
     assert "batch-norm backend in training: fp32 " in out and "fp32, eager, ms per image (CPU self time)" in out
-    assert "batch norm" in out and "optimizer step" in out and "fp32, compiled, ms per image" not in out
+    assert "| kernel family | ms per image | share |" in out and "| convolution forward |" in out
+    assert "| optimizer and gradient norm |" in out and "fp32, compiled, ms per image" not in out
     figures = json.loads((tmp_path / "b.json").read_text())
     assert figures["rows"]["a. textbook loop (fp32)"][0] > 0 and figures["loader_samples_per_s_per_core"] > 0
     assert figures["flops_per_image"] > 0 and figures["profiles"]["fp32"]["batch_norm_ms_per_image"] > 0
 
 
-@pytest.mark.slow  # four compiles of a resnet18 UNet, even with aot_eager: minutes on 2 cores
+@pytest.mark.slow  # nine compiles of a resnet18 UNet (one in a new process), even with aot_eager: minutes on 2 cores
 def test_training_benchmark_runs_its_compiled_rows(tmp_path):
-    """Would catch: a compiled row skipped, the compiled step not profiled (issue #32's profile),
-    or its trace not written."""
-    out = run(*TRAIN_SPEED, "--compiled", "--backend", "aot_eager", "--profile", "--trace", str(tmp_path))
-    for row in ROWS[4:]:
+    """Would catch: a compiled row skipped (a candidate's among them: cudnn_search's runs in a new
+    process), a compiled row without its first window's time, the winners not decided, the compiled
+    step not profiled (issue #32's profile), or its trace not written."""
+    out = run(*TRAIN_SPEED, "--compiled", "--candidates", "--backend", "aot_eager", "--profile", "--trace", str(tmp_path))
+    for row in ROWS[4:] + CANDIDATE_ROWS:
         assert f"| {row} | skipped" not in out and f"| {row} |" in out
-    assert "compiled (aot_eager), fp32, checkpointing=full: first window" in out
+    assert all(line.split("|")[6].strip() for line in out.splitlines() if line.startswith(("| g.", "| h.")))
+    assert "compiled (aot_eager), fp32, checkpointing=full" in out and "winners: faster than row e by more than" in out
+    assert "| i. cloudseg compiled, fp32, winners: " in out
     assert "4-flip TTA, compiled:" in out and "fp32, compiled, ms per image (CPU self time)" in out
     assert sorted(path.name for path in tmp_path.iterdir()) == ["fp32-compiled.json", "fp32-eager.json"]
+
+
+def test_the_split_groups_kernels_into_families_by_name():
+    """Names as profilers print them: inductor's generated kernels (named by the aten ops they fuse,
+    as in its output code), cuDNN's and CUTLASS's convolutions, ATen's CUDA kernels, and the CPU's
+    ops. Would catch: a batch-norm reduction counted as pointwise (or back), a weight gradient as a
+    forward, a cast as a layout copy, the optimizer's kernels or an upsample lost in "other"."""
+    cases = {
+        "triton_per_fused__native_batch_norm_legit_functional_relu_3": train_speed.STATISTICS,
+        "triton_red_fused_native_batch_norm_backward_threshold_backward_23": train_speed.STATISTICS,
+        "triton_poi_fused__native_batch_norm_legit_functional_relu_4": train_speed.NORMALISE,
+        "triton_poi_fused_add_threshold_backward_12": train_speed.NORMALISE,
+        "triton_poi_fused__unsafe_index_cat_5": train_speed.UPSAMPLE,
+        "triton_poi_fused__to_copy_2": train_speed.CASTS,
+        "triton_poi_fused_clone_7": train_speed.LAYOUT,
+        "triton_red_fused_binary_cross_entropy_with_logits_sigmoid_sum_9": train_speed.LOSS,
+        "triton_tem_fused_convolution_relu_0": train_speed.CONV_FORWARD,
+        "triton_poi_fused_add_mul_8": train_speed.OTHER_FUSED,
+        # inductor on this CPU (torch 2.15): smp's upsample + cat as one kernel, and CloudNet's input path
+        "cpp_fused__to_copy__unsafe_index_add_arange_cat_clone_mul_unsqueeze_0": train_speed.UPSAMPLE,
+        "cpp_fused__to_copy_clone_constant_pad_nd_div_sub_0": train_speed.CASTS,
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1_"
+        "execute_segment_k_off_kernel__5x_cudnn": train_speed.CONV_FORWARD,
+        "sm80_xmma_dgrad_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize64x64x64": train_speed.CONV_DATA,
+        "sm80_xmma_wgrad_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize32x256x32": train_speed.CONV_WEIGHT,
+        "void cudnn::cnn::wgrad2d_grouped_direct_kernel<float, float, float>": train_speed.CONV_WEIGHT,
+        "cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_optimized_bf16_128x128_32x5_nhwc_align8>":
+            train_speed.CONV_FORWARD,
+        "void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float>": train_speed.LAYOUT,
+        "void at::native::(anonymous namespace)::upsample_nearest2d_nhwc_out_frame<c10::BFloat16>": train_speed.UPSAMPLE,
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy_contig<c10::BFloat16, unsigned int, 4>":
+            train_speed.UPSAMPLE,
+        "void at::native::batch_norm_collect_statistics_channels_last_kernel<c10::BFloat16, float>": train_speed.STATISTICS,
+        "void at::native::batch_norm_transform_input_channels_last_kernel<c10::BFloat16, float>": train_speed.NORMALISE,
+        "void cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float, 512, true, 1>": train_speed.BATCH_NORM,
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": train_speed.OPTIMIZER,
+        "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>": train_speed.COPIES,
+        "aten::convolution_backward": train_speed.CONV_BACKWARD, "aten::mkldnn_convolution": train_speed.CONV_FORWARD,
+        "aten::native_batch_norm": train_speed.BATCH_NORM, "aten::_foreach_add_": train_speed.OPTIMIZER,
+        "aten::cat": train_speed.UPSAMPLE, "aten::_to_copy": train_speed.CASTS, "aten::add_": train_speed.OTHER,
+    }
+    assert {name: kernel_family(name) for name in cases} == cases
+
+
+def test_winners_beat_row_e_by_more_than_twice_its_spread():
+    """Would catch: a winner within the noise of row e (its rerun 4% off: the bar is 8%), the bar
+    below MIN_GAIN when e and its rerun agree, a skipped candidate counted, and winners declared
+    where row e did not run."""
+    rows = {"h. cloudseg compiled, bf16, pad_stem": (70.0, 9.0, 30.0), "h. cloudseg compiled, bf16, cudnn_search": (64.0, 9.0, 30.0),
+            "h. cloudseg compiled, bf16, autotune=reductions": None}
+    assert winning(rows, (60.0, 9.0, 30.0), (62.4, 9.0, 5.0)) == (["pad_stem"], pytest.approx(0.08))
+    assert winning(rows, (60.0, 9.0, 30.0), (60.0, 9.0, 5.0)) == (["pad_stem", "cudnn_search"], train_speed.MIN_GAIN)
+    assert winning(rows, None, (60.0, 9.0, 5.0)) == ([], None)
 
 
 def test_rle_benchmark_prints_its_table():
