@@ -117,14 +117,25 @@ def main() -> None:
                        "loader_samples_per_s_per_core": loader_rate, "inference": inference_rate}, file, indent=1)
 
 
+class Rows(dict):
+    """The table's rows, each printed the moment it is measured: a run cut short (make bench's
+    time limit) still shows the rows it finished; the table comes at the end."""
+
+    def __setitem__(self, name, result):
+        super().__setitem__(name, result)
+        if result:
+            print(f"  measured {name}: {result[0]:.2f} images/s, peak {result[1]:.2f} GiB", flush=True)
+
+
 def training_rows(config, batches, args, device) -> dict:
     """Each row's (images/s, peak GiB) or None where skipped, in the order of the docstring."""
     first = args.precisions[0]
     default = resolve_precision("auto", device)
     torch.backends.cudnn.benchmark = False  # a and b as their authors leave it; cloudseg's rows switch it on
-    rows = {TEXTBOOK: timed(device, lambda: textbook(config, batches, args, device)),
-            f"b. Lightning at its defaults, {default}": timed(device, lambda: lightning(
-                config, batches, args, device, default, careful=False))}
+    rows = Rows()
+    rows[TEXTBOOK] = timed(device, lambda: textbook(config, batches, args, device))
+    rows[f"b. Lightning at its defaults, {default}"] = timed(device, lambda: lightning(
+        config, batches, args, device, default, careful=False))
     for p in args.precisions:
         rows[f"c. Lightning careful, {p}"] = timed(device, lambda: lightning(config, batches, args, device, p, careful=True))
     speed_switches(device)  # as `cloudseg train` does
@@ -136,7 +147,9 @@ def training_rows(config, batches, args, device) -> dict:
             rows[f"{letter}. cloudseg {STEP[compile]}, {first}, checkpointing={mode}"] = cloudseg_row(
                 config, batches, args, device, first, compile, mode)
     if args.candidates:
-        rows.update(candidate_rows(config, batches, args, device, first, base=rows[f"e. cloudseg compiled, {first}"]))
+        for name, result in candidate_rows(config, batches, args, device, first,
+                                           base=rows[f"e. cloudseg compiled, {first}"]).items():
+            rows[name] = result
     return rows
 
 

@@ -71,16 +71,20 @@ def test_the_budget_cuts_a_part_and_leaves_out_the_rest(tmp_path):
     assert "wrote" in stdout
 
 
-@pytest.mark.parametrize("script, command", [("train_speed", "training"), ("segment_speed", "segment")])
-def test_the_gpu_plan_s_script_arguments_parse(script, command, monkeypatch):
-    """The FULL plan's arguments of each benchmark script, parsed by that script's own parser (the
-    device set to cpu, which is all that differs). Would catch: a typo in the GPU plan's flags,
-    which the toy-size run above never passes (its sizes differ)."""
-    module = load_script(script)
-    arguments = {"training": ["--profile", *report.FULL.training], "segment": report.FULL.segment}[command]
+GPU_PLAN = {"training": ("train_speed", [*report.FULL.training, "--profile", "--no-candidates"]),
+            **{part: ("train_speed", [*report.FULL.training, *flags]) for part, flags in report.OPT_IN.items()},
+            "segment": ("segment_speed", report.FULL.segment)}
+
+
+@pytest.mark.parametrize("part", GPU_PLAN)
+def test_the_gpu_plan_s_script_arguments_parse(part, monkeypatch):
+    """The FULL plan's arguments of each benchmark script (the opt-in parts' too), parsed by that
+    script's own parser (the device set to cpu, which is all that differs). Would catch: a typo in
+    the GPU plan's flags, which the toy-size run above never passes (its sizes differ), or a flag
+    a script has dropped (argparse exits)."""
+    script, arguments = GPU_PLAN[part]
     monkeypatch.setattr(sys, "argv", [script, "--device", "cpu", *arguments])
-    parsed = module.parse_args()
-    assert parsed is not None
+    assert load_script(script).parse_args() is not None
 
 
 def test_the_gpu_plan_s_cloudseg_commands_and_overrides_parse():

@@ -198,7 +198,8 @@ def test_inductor_with_autotuning_trains_what_the_default_compile_trains(autotun
     assert_same_state(default, tuned, rtol=1e-8, atol=1e-11)
 
 
-@pytest.mark.gpu  # make test-gpu: inductor compiles Triton kernels for each candidate (minutes)
+@pytest.mark.gpu  # skipped without CUDA
+@pytest.mark.slow  # make test-gpu-all: inductor compiles Triton kernels for each candidate (minutes)
 @pytest.mark.parametrize("candidate", ["cudnn_search", "autotune=reductions", "autotune=all", "pad_stem"])
 def test_on_a_gpu_each_speedup_trains_what_the_default_compiled_step_trains(candidate, cudnn_restored):
     """float64 SGD, one window, compiled with inductor: the update with the candidate against the
