@@ -14,6 +14,15 @@ in windows of --tile (default 384x576). Rows:
   d., e., f.                the same three with the model replaced by a constant (zero logits,
                             made on the device): the pipeline's own ceiling, "pipeline, no model"
 
+Under the table, each segment row's stage line (cloudseg.stages: seconds per stage summed over
+its threads, the main thread's waits, and the stage that bounds it; docs/segment.md says what each
+figure means on a GPU).
+
+How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
+--scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
+the warm-ups, the loads, the first compile and the fixed-cost calls come on top, so allow a few
+minutes (an estimate: the whole command was not timed). This CPU's default sizes: 2-4 minutes.
+
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
 scene, on --device (auto: the GPU where there is one; with CUDA, predict.compile=auto compiles
 rows b and c); wall-clock, so other processes on the machine slow every row. Scenes/s and
