@@ -14,6 +14,15 @@ in windows of --tile (default 384x576). Rows:
   d., e., f.                the same three with the model replaced by a constant (zero logits,
                             made on the device): the pipeline's own ceiling, "pipeline, no model"
 
+Under the table, each segment row's stage line (cloudseg.stages: seconds per stage summed over
+its threads, the main thread's waits, and the stage that bounds it; docs/segment.md says what each
+figure means on a GPU).
+
+How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
+--scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
+the warm-ups, the loads, the first compile and the fixed-cost calls come on top, so allow a few
+minutes (an estimate: the whole command was not timed). This CPU's default sizes: 2-4 minutes.
+
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
 scene, on --device (auto: the GPU where there is one; with CUDA, predict.compile=auto compiles
 rows b and c); wall-clock, so other processes on the machine slow every row. Scenes/s and
@@ -55,6 +64,7 @@ from cloudseg.hardware import resolve_device
 from cloudseg.model import build_model
 from cloudseg.predict import load_ensemble, load_model, predict_probs
 from cloudseg.segment import SegmentOptions, segment, segment_scenes
+from cloudseg.stages import StageClock
 
 
 class Constant(torch.nn.Module):
@@ -104,10 +114,17 @@ def print_table(rows: dict, args, device: torch.device, load: float) -> None:
     print("| row | seconds | CPU s | scenes/s | megapixels/s | speed-up |")
     print("|---|---|---|---|---|---|")
     names = list(rows)
-    for index, (name, (seconds, cpu)) in enumerate(rows.items()):
+    for index, (name, (seconds, cpu, _)) in enumerate(rows.items()):
         naive_seconds = rows[names[index // 3 * 3]][0]
         print(f"| {name} | {seconds:.1f} | {cpu:.1f} | {args.scenes / seconds:.3f} | {megapixels / seconds:.2f} | "
               f"{naive_seconds / seconds:.2f}x |")
+    print("\nWhere each segment row's time went (its fastest run; seconds summed over the threads of a stage, "
+          "see docs/segment.md):\n")
+    print("| row | stages |")
+    print("|---|---|")
+    for name, (_, _, stages) in rows.items():
+        if stages:
+            print(f"| {name[:2]} | {stages} |")
 
 
 def parse_args():
@@ -143,16 +160,16 @@ def write_scene(path: Path, height: int, width: int, seed: int) -> Path:
                              tiled=True, compress="deflate")
 
 
-def timed(run, warm_up, folder: Path, repeat: int) -> tuple[float, float]:
-    """(wall-clock, CPU seconds of this process's threads) of the fastest of `repeat` runs of
-    `run`, each after `warm_up`."""
+def timed(run, warm_up, folder: Path, repeat: int) -> tuple[float, float, str | None]:
+    """(wall-clock, CPU seconds of this process's threads, the stage line or None) of the fastest
+    of `repeat` runs of `run` (which returns its stage line or None), each after `warm_up`."""
     times = []
     for _ in range(repeat):
         warm_up(folder / f"warm{time.monotonic_ns()}")
         start, cpu = time.perf_counter(), time.process_time()
-        run(folder / f"out{time.monotonic_ns()}")
-        times.append((time.perf_counter() - start, time.process_time() - cpu))
-    return min(times)
+        stages = run(folder / f"out{time.monotonic_ns()}")
+        times.append((time.perf_counter() - start, time.process_time() - cpu, stages))
+    return min(times, key=lambda row: row[0])
 
 
 def naive(scenes: list[Path], model, tile, device: torch.device, out: Path) -> None:
@@ -174,18 +191,21 @@ def naive(scenes: list[Path], model, tile, device: torch.device, out: Path) -> N
 
 
 def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: float, device: torch.device,
-                forward=None) -> None:
+                forward=None) -> str:
     """`segment` on the checkpoint (loaded anew, as a call does), or the checkpoint's ensemble with
-    `forward` for its model (`segment_scenes`: loading apart)."""
+    `forward` for its model (`segment_scenes`: loading apart); its stage line."""
     options, overrides = SegmentOptions(tuple(args.tile), overlap), [f"predict.batch_size={args.batch}"]
+    clock = StageClock()
     if forward is None:
         failed = segment([str(path) for path in scenes], [str(checkpoint)], out, options, postprocess_file="none",
-                         overrides=overrides, device=device.type)
+                         overrides=overrides, device=device.type, clock=clock)
     else:
         ensemble = load_ensemble([str(checkpoint)], "none", overrides, device.type)
         out.mkdir(parents=True)
-        failed = segment_scenes(scenes, ensemble._replace(forwards=[forward], compiling=False), out, options)
+        failed = segment_scenes(scenes, ensemble._replace(forwards=[forward], compiling=False), out, options,
+                                clock=clock)
     assert failed == 0
+    return clock.line(gpu=device.type == "cuda")
 
 
 def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, float, float]:

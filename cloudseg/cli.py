@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "or year, doy (default: the first YYYYMMDD or YYYY-MM-DD); the GeoTIFF's "
                               "TIFFTAG_DATETIME comes first")
     segment.add_argument("--postprocess", metavar="FILE", help="the rule whose thresholds make the masks (as predict)")
+    segment.add_argument("--outputs", default="probs,masks", metavar="LIST",
+                         help="a GeoTIFF's bands, comma-separated: probs (4 probabilities), masks (4 masks), classbits "
+                              "(1 band, bit k = class k's mask) (default probs,masks)")
+    segment.add_argument("--compress", default="deflate", metavar="CODEC",
+                         help="a GeoTIFF's codec: deflate (default: every TIFF reader), zstd, lerc or none")
+    segment.add_argument("--cog", action="store_true",
+                         help="write each GeoTIFF as a Cloud-Optimized GeoTIFF (tiled, overviews; slower to write)")
     add_device_option(segment)
     segment.set_defaults(run=run_segment)
 
@@ -308,7 +315,8 @@ def run_segment(args) -> int:
     overrides = [item for item in args.scenes if re.match(r"\w+(\.\w+)+=", item)]  # both come as positionals
     scenes = [item for item in args.scenes if item not in overrides]
     options = SegmentOptions(args.tile and tuple(args.tile), OVERLAP if args.overlap is None else args.overlap,
-                             args.grid, args.time_pattern or TIME_PATTERN)
+                             args.grid, args.time_pattern or TIME_PATTERN, tuple(args.outputs.split(",")),
+                             args.compress.lower(), args.cog)
     failed = segment(scenes, args.checkpoint, args.out, options, postprocess_file=args.postprocess,
                      overrides=overrides, device=args.device)
     return min(failed, 100)  # the exit status: how many scenes failed (100 for 100 or more)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import math
 import re
@@ -25,7 +26,7 @@ import torch
 
 from cloudseg.data import read_image, read_jpeg_bytes
 from cloudseg.decode import decode_jpegs
-from cloudseg.files import atomic_path
+from cloudseg.files import atomic_path, new_hidden_file
 from cloudseg.syncs import named_sync
 from cloudseg.task import LABELS
 
@@ -242,24 +243,92 @@ def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
 # complete soon after, written once, and leave the cache (a tile rewritten would grow the file).
 OUTPUT_STRIP_ROWS = 16
 BAND_NAMES = [f"{label} probability x254" for label in LABELS] + [f"{label} mask" for label in LABELS]
+CLASS_BITS_NAME = "class bits (" + ", ".join(f"{label} {1 << k}" for k, label in enumerate(LABELS)) + ")"
+OUTPUTS = {"probs": BAND_NAMES[:len(LABELS)], "masks": BAND_NAMES[len(LABELS):], "classbits": [CLASS_BITS_NAME]}
+DEFAULT_OUTPUTS = ("probs", "masks")  # the eight bands `output_bands` makes, written as they are made
+# GDAL creation options of each --compress choice: the fastest level of each codec; LERC lossless
+CODECS = {"deflate": dict(compress="deflate", zlevel=1), "zstd": dict(compress="zstd", zstd_level=1),
+          "lerc": dict(compress="lerc", max_z_error=0), "none": dict(compress="none")}
+WRITE_THREADS = "ALL_CPUS"  # GDAL's compression threads (NUM_THREADS): blocks compressed in parallel
+
+
+def chosen_bands(bands: np.ndarray, outputs: tuple[str, ...]) -> np.ndarray:
+    """The bands of `outputs` (keys of OUTPUTS, in that order) from `output_bands`' eight: the
+    probabilities, the masks, or one band of class bits (`mask_bits`)."""
+    if tuple(outputs) == DEFAULT_OUTPUTS:
+        return bands  # as made, no copy
+    masks = bands[len(LABELS):]
+    parts = {"probs": bands[:len(LABELS)], "masks": masks, "classbits": None}
+    chosen = [mask_bits(masks)[None] if output == "classbits" else parts[output] for output in outputs]
+    return chosen[0] if len(chosen) == 1 else np.concatenate(chosen)
+
+
+def mask_bits(masks: np.ndarray) -> np.ndarray:
+    """n×W uint8 from `output_bands`' four mask bands: bit k set where class k's mask is (as
+    `class_bits`), NODATA off the data. Off the data every mask band is NODATA (all bits set), and
+    so is their OR whatever the shifts drop: 255 stays 255 with no separate pass."""
+    bits = masks[0].copy()
+    for k in range(1, len(LABELS)):
+        bits |= masks[k] << np.uint8(k)
+    return bits
+
+
+@functools.cache
+def check_codec(compress: str) -> None:
+    """A one-line error naming --compress when this GDAL cannot write `compress` into a GeoTIFF
+    (GDAL only warns, then writes it uncompressed): a 16×16 file written in memory tells."""
+    if compress not in CODECS:
+        raise ValueError(f"--compress {compress}: not a codec of segment (choose from {', '.join(CODECS)})")
+    rasterio = geo_module("rasterio")
+    try:
+        with rasterio.io.MemoryFile() as memory:
+            with memory.open(driver="GTiff", width=16, height=16, count=1, dtype="uint8", crs="EPSG:4326",
+                             transform=rasterio.Affine(1, 0, 0, 0, -1, 16), **CODECS[compress]) as out:
+                out.write(np.zeros((1, 16, 16), np.uint8))
+            with memory.open() as written:
+                wrote = f"it wrote {written.compression.name.lower() if written.compression else 'none'}"
+    except rasterio.errors.RasterioError as error:
+        wrote = one_line(error)
+    if wrote != f"it wrote {compress}":
+        raise ValueError(f"--compress {compress}: this GDAL ({rasterio.__gdal_version__}) cannot write it "
+                         f"({wrote}); choose another of {', '.join(CODECS)}")
 
 
 @contextlib.contextmanager
-def geotiff_writer(path: Path, scene: GeoTiffScene):
-    """A rasterio dataset for `path` with the scene's size, CRS and transform, 8 uint8 bands
-    (`output_bands`) and nodata NODATA; written to a temporary file renamed over `path` at the end."""
+def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = DEFAULT_OUTPUTS,
+                   compress: str = "deflate", cog: bool = False):
+    """A rasterio dataset for `path` with the scene's size, CRS and transform, the uint8 bands of
+    `outputs` (`chosen_bands`), nodata NODATA, compressed by `compress` (CODECS) in GDAL's threads;
+    written to a temporary file renamed over `path` at the end. With `cog`, the rows go uncompressed
+    to a file of strips, then GDAL's COG driver copies it into a Cloud-Optimized GeoTIFF (COG_OPTIONS)."""
     rasterio = geo_module("rasterio")
-    profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(BAND_NAMES), dtype="uint8",
+    names = [name for output in outputs for name in OUTPUTS[output]]
+    profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(names), dtype="uint8",
                    crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
-                   compress="deflate", zlevel=1, num_threads="ALL_CPUS", BIGTIFF="IF_SAFER")
-    with atomic_path(path) as tmp, rasterio.open(tmp, "w", **profile) as out:
-        for band, name in enumerate(BAND_NAMES, start=1):
-            out.set_band_description(band, name)
-        yield out
+                   num_threads=WRITE_THREADS, BIGTIFF="IF_SAFER", **CODECS["none" if cog else compress])
+    with atomic_path(path) as tmp:
+        strips = new_hidden_file(path) if cog else tmp  # with `cog`, the rows go to a file of strips first
+        try:
+            with rasterio.open(strips, "w", **profile) as out:
+                for band, name in enumerate(names, start=1):
+                    out.set_band_description(band, name)
+                yield out
+            if cog:
+                geo_module("rasterio.shutil").copy(strips, tmp, driver="COG", NUM_THREADS=WRITE_THREADS, **COG_OPTIONS, **COG_CODECS[compress])
+        finally:
+            if cog:
+                strips.unlink(missing_ok=True)
+
+
+# GDAL's COG driver: 512×512 tiles, overviews, the header first (HTTP range reads from object
+# storage). Overviews by nearest neighbour: masks, class bits and NODATA stay what they are at each level.
+COG_OPTIONS = dict(BLOCKSIZE=512, OVERVIEWS="AUTO", RESAMPLING="NEAREST", BIGTIFF="IF_SAFER")
+COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1), "zstd": dict(COMPRESS="ZSTD", LEVEL=1),
+              "lerc": dict(COMPRESS="LERC", MAX_Z_ERROR=0), "none": dict(COMPRESS="NONE")}
 
 
 def write_geotiff_rows(out, top: int, bands: np.ndarray) -> None:
-    """Write 8×h×W rows of `output_bands` at row `top`."""
+    """Write h×W rows of bands (`chosen_bands`) at row `top`."""
     window = geo_module("rasterio.windows").Window(0, top, bands.shape[2], bands.shape[1])
     out.write(bands, window=window)
 

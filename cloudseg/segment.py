@@ -45,6 +45,7 @@ from cloudseg import distributed, geo
 from cloudseg.files import atomic_path, new_hidden_file
 from cloudseg.hardware import resolve_device
 from cloudseg.predict import Ensemble, ensemble_native, load_ensemble, no_data
+from cloudseg.stages import StageClock
 from cloudseg.task import LABELS
 from cloudseg.units import human_duration
 from cloudseg.viz import overlay
@@ -190,14 +191,14 @@ def read_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> tupl
     return images, masks
 
 
-def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float):
+def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float, clock: StageClock | None = None):
     """Yield (top, probabilities 4×n×W float32, valid n×W) for bands of final rows of `scene`,
     top to bottom, from its windows batched through the ensemble and blended, all on the
     ensemble's device. A pixel is valid where it is not black (predict.no_data) and the file has
     data there; off the data the probabilities are whatever the model said (output_bands writes
     NODATA there). The bands are views of the blender's strips: read each before asking for the
-    band after next (as `in_background` and a plain loop do)."""
-    grid, device = tiling(scene.height, scene.width, tile, overlap), ensemble.device
+    band after next (as `in_background` and a plain loop do). `clock` gets each stage's seconds."""
+    grid, device, clock = tiling(scene.height, scene.width, tile, overlap), ensemble.device, clock or StageClock()
     windows = [(row, column) for row in range(len(grid.tops)) for column in range(len(grid.lefts))]
     size = ensemble.config.predict.batch_size
     batches = [windows[start:start + size] for start in range(0, len(windows), size)]
@@ -206,21 +207,37 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
 
     def read(batch):
         boxes = [(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
-        return read_batch(scene, boxes, pin=device.type == "cuda")
+        with clock("read"):
+            return read_batch(scene, boxes, pin=device.type == "cuda")
 
     blender, current_row = StripBlender(grid.height, scene.width, scene.height, device), 0
-    for batch, (images, masks) in zip(batches, prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)):
-        images = images.to(device, non_blocking=True)
-        valid = ~no_data(images)[:, 0]
-        if masks is not None:
-            valid &= masks.to(device, non_blocking=True)
-        probs = ensemble_native(ensemble, images, zero_black=False)[0]  # `valid` marks the black pixels
+    read_ahead = prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)
+    for batch, (images, masks) in zip(batches, timed_items(read_ahead, clock, "wait for reads")):
+        with clock("to device"):
+            images = images.to(device, non_blocking=True)
+            valid = ~no_data(images)[:, 0]
+            if masks is not None:
+                valid &= masks.to(device, non_blocking=True)
+        with clock("model"):
+            probs = ensemble_native(ensemble, images, zero_black=False)[0]  # `valid` marks the black pixels
         for (row, column), window_probs, window_valid in zip(batch, probs, valid):
             if row != current_row:
                 yield from blender.release(grid.tops[row], release_rows)
                 current_row = row
-            blender.add(window_probs, weights(row, column), window_valid, grid.tops[row], grid.lefts[column])
+            with clock("blend"):
+                blender.add(window_probs, weights(row, column), window_valid, grid.tops[row], grid.lefts[column])
     yield from blender.release(scene.height, release_rows)
+
+
+def timed_items(items, clock: StageClock, stage: str):
+    """The items of an iterator, the time each took to come added to `clock`'s `stage`."""
+    items = iter(items)
+    while True:
+        with clock(stage):
+            item = next(items, StopIteration)
+        if item is StopIteration:
+            return
+        yield item
 
 
 # ---------------------------------------------------------------------------------- one scene
@@ -234,6 +251,18 @@ class SegmentOptions:
     overlap: float = OVERLAP  # share of a tile that neighbouring windows have in common (at least)
     grid: float | None = None  # lat/lon cell size in degrees, or no grid
     time_pattern: str = geo.TIME_PATTERN  # where a scene's time is in its file name (see geo.scene_time)
+    outputs: tuple[str, ...] = geo.DEFAULT_OUTPUTS  # a GeoTIFF's bands: of probs, masks, classbits (geo.OUTPUTS)
+    compress: str = "deflate"  # a GeoTIFF's codec: deflate, zstd, lerc or none (geo.CODECS)
+    cog: bool = False  # a GeoTIFF written as a Cloud-Optimized GeoTIFF (tiled, with overviews)
+
+    def check(self) -> None:
+        """A one-line error naming the option when an output or the codec is not one of segment's
+        (or this GDAL cannot write the codec)."""
+        unknown = [output for output in self.outputs if output not in geo.OUTPUTS]
+        if unknown or not self.outputs or len(set(self.outputs)) < len(self.outputs):
+            raise ValueError(f"--outputs {','.join(self.outputs)}: give one or more of {', '.join(geo.OUTPUTS)}, "
+                             "each once, comma-separated")
+        geo.check_codec(self.compress)
 
 
 class SceneCounts:
@@ -269,62 +298,78 @@ class SceneCounts:
         return record
 
 
-def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: SegmentOptions) -> dict:
+def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: SegmentOptions,
+                  clock: StageClock | None = None) -> dict:
     """Map one scene into `out_dir` (GeoTIFF in: NAME.tif; JPEG/PNG in: NAME_masks.png and
     NAME_overlay.png), then NAME.json, its fractions, last: its presence means the scene is done.
     The masks use the run's tuned per-class threshold; the rule's minimum area and gate are not
-    applied: they were tuned on whole 1400×2100 images (see docs/segment.md)."""
+    applied: they were tuned on whole 1400×2100 images (see docs/segment.md). `clock` gets each
+    stage's seconds."""
+    clock = clock or StageClock()
     with geo.open_scene(path, ensemble.device) as scene:
         counts = SceneCounts(scene, options.grid)
-        rows = blended_rows(scene, ensemble, options.tile, options.overlap)
+        rows = blended_rows(scene, ensemble, options.tile, options.overlap, clock)
         thresholds = ensemble.config.predict.threshold
         if isinstance(scene, geo.GeoTiffScene):
-            map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif")
+            map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, clock=clock)
         else:
-            map_image(scene, rows, thresholds, counts, out_dir / path.stem)
+            map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
         record = counts.record(path.name, geo.scene_time(path, scene.tags, options.time_pattern))
     with atomic_path(done_file(out_dir, path)) as tmp:
         tmp.write_text(json.dumps(record))
     return record
 
 
-def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path) -> None:
-    """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands`) and write them into the
-    GeoTIFF `out` as they come, in a thread while the model works on the next ones."""
+def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions, *,
+                clock: StageClock) -> None:
+    """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands`) and write the outputs of
+    `options` into the GeoTIFF `out` as they come, in a thread while the model works on the next ones."""
+
     def write(top, probs, valid):
-        bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
-        geo.write_geotiff_rows(written, top, bands)
-        counts.add(top, bands, pixel_counts)
+        with clock("encode"):
+            bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
+        with clock("write"):
+            geo.write_geotiff_rows(written, top, geo.chosen_bands(bands, options.outputs))
+            counts.add(top, bands, pixel_counts)
 
-    with geo.geotiff_writer(out, scene) as written:
-        in_background(write, rows)
+    with contextlib.ExitStack() as closing:
+        written = closing.enter_context(geo.geotiff_writer(out, scene, options.outputs, options.compress, options.cog))
+        in_background(write, rows, clock)
+        with clock("write"):
+            closing.close()  # the last blocks compressed, and with --cog the COG copied: part of the write
 
 
-def in_background(function, items) -> None:
+def in_background(function, items, clock: StageClock | None = None) -> None:
     """function(*item) for each item, in order, in a thread, one at a time: the next item is
-    computed meanwhile, and waits for the previous call (so at most two items are held)."""
+    computed meanwhile, and waits for the previous call (so at most two items are held); the waits
+    go to `clock`'s "wait for writes"."""
+    clock = clock or StageClock()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = None
         for item in items:
             if pending:
-                pending.result()
+                with clock("wait for writes"):
+                    pending.result()
             pending = pool.submit(function, *item)
         if pending:
-            pending.result()
+            with clock("wait for writes"):
+                pending.result()
 
 
-def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path) -> None:
+def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock: StageClock) -> None:
     """Gather the masks of a JPEG or PNG scene (held whole anyway), then write STEM_masks.png and
     STEM_overlay.png."""
     masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
     for top, probs, valid in rows:
-        bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
+        with clock("encode"):
+            bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
         masks[:, top:top + bands.shape[1]] = bands[len(LABELS):]
         counts.add(top, bands, pixel_counts)
-    valid = masks[0] != geo.NODATA
-    masks[:, ~valid] = 0
-    geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid))
-    geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks))
+    with clock("write"):
+        valid = masks[0] != geo.NODATA
+        masks[:, ~valid] = 0
+        geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid))
+        geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks))
 
 
 def done_file(out_dir: Path, path: Path) -> Path:
@@ -373,12 +418,14 @@ def check_writable(out_dir: Path, scenes: list[Path]) -> None:
 
 
 def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, options: SegmentOptions = SegmentOptions(),
-            *, postprocess_file: str | None = None, overrides: list[str] = (), device: str = "auto") -> int:
+            *, postprocess_file: str | None = None, overrides: list[str] = (), device: str = "auto",
+            clock: StageClock | None = None) -> int:
     """Map every scene of `sources` (this process's share under torchrun) into `out_dir` with the
     checkpoints' ensemble (loaded as `predict` loads it: `postprocess_file`, `overrides`, `device`),
-    skipping scenes already done; then one process writes fractions.csv (and grid.nc with a grid).
+    skipping scenes already done (`clock`, if given, gets each stage's seconds); then one process writes fractions.csv (and grid.nc with a grid).
     A bad scene is one line on stderr naming it; the others go on. Returns the number that failed."""
     out_dir, scenes = Path(out_dir), find_scenes(sources)
+    options.check()
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
     check_writable(out_dir, scenes)
     start = time.perf_counter()
@@ -386,20 +433,21 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
     log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
              human_duration(time.perf_counter() - start))
     return segment_scenes(scenes, ensemble, out_dir, replace(options, tile=window_size(ensemble, options.tile,
-                                                                                         checkpoints[0])))
+                                                                                         checkpoints[0])), clock=clock)
 
 
-def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, options: SegmentOptions) -> int:
+def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, options: SegmentOptions, *,
+                   clock: StageClock | None = None) -> int:
     """`segment` with the ensemble loaded and `options.tile` set: this process's share of `scenes`,
-    then the summaries. Its log line gives the rate over the scenes alone (loading apart; a
-    compile, the first batch's, included)."""
+    then the summaries. Its log lines give the rate over the scenes alone (loading apart; a
+    compile, the first batch's, included), then the seconds of each stage (`stages.StageClock`)."""
     mine = scenes[distributed.rank()::distributed.world_size()]
     todo = [path for path in mine if not is_done(out_dir, path, options.grid)]
-    failed, start, pixels = [], time.perf_counter(), 0
+    failed, start, pixels, clock = [], time.perf_counter(), 0, clock or StageClock()
     with opencv_threads(1):
         for path in tqdm(todo, desc=f"segment (process {distributed.rank()})", unit="scene", disable=None):
             try:
-                record = segment_scene(path, out_dir, ensemble, options)
+                record = segment_scene(path, out_dir, ensemble, options, clock)
                 pixels += record["height"] * record["width"]
             except (ValueError, OSError, RuntimeError) as error:
                 failed.append(str(path))
@@ -411,6 +459,7 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
         log.info("segment: %d scenes, %d done before, %d failed, %d processes; %.2f scenes/s, %.1f megapixels/s "
                  "(process 0) -> %s", len(scenes), len(mine) - len(todo), len(failed), distributed.world_size(),
                  (len(todo) - len(failed)) / seconds, pixels / 1e6 / seconds, out_dir)
+        log.info("segment: %s (process 0, %.1f s)", clock.line(gpu=ensemble.device.type == "cuda"), seconds)
     distributed.stop()
     return len(failed)
 

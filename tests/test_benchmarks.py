@@ -143,13 +143,17 @@ SEGMENT_SPEED = ["benchmarks/segment_speed.py", "--scenes", "1", "--height", "12
 
 
 def test_segment_benchmark_prints_its_table():
-    """Would catch: a row missing, the pipeline without a model among them."""
+    """Would catch: a row missing, the pipeline without a model among them, a segment row without
+    its stage line (or the naive loop given one it cannot have)."""
     out = run(*SEGMENT_SPEED, "--no-fixed-cost")
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
                 "e. cloudseg segment, no model, overlap 0.0 (batch 4)", "f. cloudseg segment, no model, overlap 0.25 (batch 4)"):
         assert f"| {row} |" in out
     assert "scenes/s | megapixels/s" in out and "fixed cost" not in out
+    stages = [line for line in out.splitlines() if "| stages: read " in line]
+    assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f."]
+    assert all(" — bound by: " in line for line in stages)
 
 
 @pytest.mark.slow  # three new processes that import cloudseg: about 45 s on 2 cores

@@ -1,0 +1,62 @@
+"""Seconds per stage of a `cloudseg segment` run, and the one line that says what bounds it.
+
+Data path (beyond the competition): beside `cloudseg.segment`, which times its stages here: the
+reads (in the reader threads), to the device, the model and the blend (the main thread), the
+encode and the write (the writer thread), and the main thread's waits for the reader and the
+writer. A stage's seconds are summed over the threads that run it, so stages overlap and may add
+up to more than the wall time.
+
+Host clocks only, and no host sync of their own: on a GPU the model and the blend are queued, not
+run, when their clock stops, so their seconds are the host's time to queue them; the GPU's own time
+shows where the host waits for it, in `encode` (the one named host sync per row of windows,
+`syncs.NAMED["segment rows"]`, made while the finished rows are encoded and copied to the host).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+
+ORDER = ("read", "to device", "model", "blend", "encode", "write")  # in the line, the data's order
+WAITS = {"wait for reads": "reads", "wait for writes": "writes"}  # the main thread idle, by what it awaits
+
+
+class StageClock:
+    """Seconds per stage, added from any thread (`with clock("model"): ...`)."""
+
+    def __init__(self):
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - start)
+
+    def add(self, stage: str, seconds: float) -> None:
+        if stage not in ORDER and stage not in WAITS:
+            raise KeyError(f"{stage!r} is not a stage ({', '.join((*ORDER, *WAITS))})")
+        with self.lock:
+            self.seconds[stage] += seconds
+
+    def bound_by(self) -> str | None:
+        """The busiest stage: the one that, made faster, would make the run faster (threads
+        overlap the others with it). None before any stage ran."""
+        busy = {stage: self.seconds[stage] for stage in ORDER if self.seconds[stage] > 0}
+        return max(busy, key=busy.get) if busy else None
+
+    def line(self, gpu: bool = False) -> str:
+        """E.g. `stages: read 1.2 s · to device 0.1 · model 3.4 · blend 0.8 · encode 0.3 · write 2.1
+        (waits: for reads 0.4, for writes 0.2) — bound by: model`; on a GPU encode is named
+        "GPU wait, to host, encode" (see the module's docstring)."""
+        names = {"encode": "GPU wait, to host, encode"} if gpu else {}
+        parts = [f"{names.get(stage, stage)} {self.seconds[stage]:.1f}" for stage in ORDER]
+        waits = ", ".join(f"for {what} {self.seconds[stage]:.1f}" for stage, what in WAITS.items())
+        bound = self.bound_by()
+        return (f"stages: {parts[0]} s · {' · '.join(parts[1:])} (waits: {waits}) — bound by: "
+                f"{names.get(bound, bound) if bound else 'nothing timed'}")

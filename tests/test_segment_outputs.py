@@ -1,0 +1,140 @@
+"""`cloudseg segment`'s outputs (--outputs, --compress, --cog), its GDAL threads and its stage line
+(cloudseg.stages), on the CPU with small scenes and models that cost nothing."""
+
+import time
+
+import numpy as np
+import pytest
+
+from cloudseg import geo
+from cloudseg import segment as segment_module
+from cloudseg.stages import StageClock
+from tests.test_segment import pixelwise, run_segment, smooth_scene, tiny_ensemble, write_geotiff  # noqa: F401
+
+rasterio = pytest.importorskip("rasterio")
+
+
+@pytest.fixture
+def scene_dir(tmp_path):
+    """One 150×230 GeoTIFF scene with a black (no-data) band of rows."""
+    image = smooth_scene(150, 230)
+    image[40:60] = 0
+    (tmp_path / "in").mkdir()
+    write_geotiff(tmp_path / "in" / "scene.tif", image)
+    return tmp_path / "in"
+
+
+def mapped(monkeypatch, checkpoint, scenes, out, *options):
+    """The bands of scene.tif mapped into `out` with the pixelwise model and `options`, and (its
+    codec, its band descriptions)."""
+    assert run_segment(monkeypatch, pixelwise, scenes, "--checkpoint", checkpoint, "--out", out, "--tile", 64, 96,
+                       "--postprocess", "none", *options) == 0
+    with rasterio.open(out / "scene.tif") as written:
+        codec = written.compression.name.lower() if written.compression else "none"
+        return written.read(), (codec, written.descriptions)
+
+
+@pytest.mark.parametrize("compress", ["zstd", "lerc", "none", "deflate"])
+@pytest.mark.parametrize("threads", ["1", "ALL_CPUS"])
+def test_bands_are_identical_whichever_codec_and_gdal_threads(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
+                                                               compress, threads):
+    """CPU. Would catch: a lossy codec setting (LERC with a tolerance), a codec option ignored (the
+    file's compression is checked), or bands compressed in parallel blocks landing out of place
+    against the default one-call write (deflate, GDAL's threads)."""
+    checkpoint, _ = tiny_ensemble
+    reference, _ = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "reference")
+    monkeypatch.setattr(geo, "WRITE_THREADS", threads)
+    bands, (codec, _) = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "out", "--compress", compress)
+    assert codec == compress
+    assert bands.shape == (8, 150, 230) and np.array_equal(bands, reference)
+
+
+def test_class_bits_decode_to_the_four_masks_and_outputs_choose_bands(tiny_ensemble, scene_dir, tmp_path, monkeypatch):
+    """CPU. Would catch: bits in the wrong order (Fish must be bit 0), no-data not 255, a mask
+    dropped, or --outputs writing other bands than asked, in another order."""
+    checkpoint, _ = tiny_ensemble
+    full, _ = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "full")
+    bits, (_, names) = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "bits", "--outputs", "classbits")
+    assert bits.shape == (1, 150, 230) and names[0].startswith("class bits (Fish 1, Flower 2")
+    masks, valid = full[4:], full[4] != 255
+    assert (bits[0][~valid] == 255).all() and not (bits[0][valid] > 15).any()
+    for k in range(4):
+        assert np.array_equal((bits[0][valid] >> k) & 1, masks[k][valid])
+    assert masks[:, valid].any() and not masks[:, valid].all()  # the masks have both values: the check can fail
+    chosen, _ = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "chosen", "--outputs", "masks,probs")
+    assert np.array_equal(chosen, np.concatenate([full[4:], full[:4]]))
+
+
+def test_cog_is_a_cloud_optimized_geotiff_with_the_same_bands(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. Would catch: --cog ignored (a striped GeoTIFF has no COG layout, 16-row blocks and no
+    overviews), overviews that average masks and no-data into other values, or pixels changed."""
+    checkpoint, _ = tiny_ensemble
+    image = smooth_scene(600, 1100)
+    image[:100, :300] = 0
+    (tmp_path / "in").mkdir()
+    write_geotiff(tmp_path / "in" / "scene.tif", image)
+    plain, _ = mapped(monkeypatch, checkpoint, tmp_path / "in", tmp_path / "plain", "--outputs", "classbits")
+    bits, _ = mapped(monkeypatch, checkpoint, tmp_path / "in", tmp_path / "cog", "--outputs", "classbits",
+                           "--cog", "--compress", "zstd")
+    assert np.array_equal(bits, plain)
+    with rasterio.open(tmp_path / "cog" / "scene.tif") as cog:
+        assert cog.tags(ns="IMAGE_STRUCTURE")["LAYOUT"] == "COG" and cog.compression.name.lower() == "zstd"
+        assert cog.block_shapes[0] == (512, 512) and cog.overviews(1) == [2, 4]  # until under a block
+        overview = cog.read(1, out_shape=(300, 550))
+    assert set(np.unique(overview)) <= set(np.unique(plain))  # nearest neighbour: no new values
+    assert not list((tmp_path / "cog").glob(".*"))  # no file of strips left behind
+
+
+def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene_dir, tmp_path, monkeypatch, capsys):
+    """CPU. Would catch: an unknown output or codec silently ignored (GDAL only warns and writes
+    uncompressed), a traceback, or work done before the error."""
+    checkpoint, _ = tiny_ensemble
+    for option, value in (("--outputs", "probs,clouds"), ("--outputs", "masks,masks"), ("--compress", "jpeg2000")):
+        assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                           option, value) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"cloudseg: error: {option} {value}: ") and "\n" not in error
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setitem(geo.CODECS, "lerc", dict(compress="webp"))  # a codec this GDAL cannot put in a GeoTIFF
+    geo.check_codec.cache_clear()
+    with pytest.raises(ValueError, match=r"--compress lerc: this GDAL .* cannot write it"):
+        geo.check_codec("lerc")
+    geo.check_codec.cache_clear()
+
+
+def test_the_stage_line_adds_up_and_names_the_planted_slow_stage(tiny_ensemble, scene_dir, tmp_path, monkeypatch):
+    """CPU. Would catch: a stage never timed (0 s), time counted twice or under another stage (the
+    planted sleeps must land in their own stage, not beyond the wall time), or "bound by" naming
+    anything but the slowest stage."""
+    checkpoint, ensemble = tiny_ensemble
+    ensemble = ensemble._replace(forwards=[pixelwise])
+    scenes = [scene_dir / "scene.tif"]
+    options = segment_module.SegmentOptions((64, 96), 0.25)
+    write = geo.write_geotiff_rows
+    monkeypatch.setattr(geo, "write_geotiff_rows", lambda *a: (time.sleep(0.1), write(*a)))
+    clock, start = StageClock(), time.perf_counter()
+    assert segment_module.segment_scenes(scenes, ensemble, tmp_path / "a", options, clock=clock) == 0
+    wall = time.perf_counter() - start
+    rows = 150 // segment_module.RELEASE_ROWS + 1  # bands of rows written
+    assert clock.bound_by() == "write" and rows * 0.1 <= clock.seconds["write"] < wall
+    assert all(clock.seconds[stage] > 0 for stage in ("read", "to device", "model", "blend", "encode"))
+    assert clock.seconds["wait for writes"] > 0.05  # the main thread waited on the slow writer
+    monkeypatch.setattr(geo, "write_geotiff_rows", write)
+    slow = ensemble._replace(forwards=[lambda images: (time.sleep(0.2), pixelwise(images))[1]])
+    clock = StageClock()
+    assert segment_module.segment_scenes(scenes, slow, tmp_path / "b", options, clock=clock) == 0
+    assert clock.bound_by() == "model" and clock.seconds["model"] >= 0.2
+    assert clock.line().endswith("— bound by: model") and clock.line().startswith("stages: read ")
+
+
+def test_the_stage_line_reads_as_documented():
+    """CPU. Would catch: stages out of the data's order, waits counted as a bound, or an unknown stage
+    taken silently (a typo would time nothing)."""
+    clock = StageClock()
+    for stage, seconds in (("write", 2.1), ("model", 3.4), ("read", 1.2), ("wait for reads", 9.0), ("blend", 0.8)):
+        clock.add(stage, seconds)
+    assert clock.line() == ("stages: read 1.2 s · to device 0.0 · model 3.4 · blend 0.8 · encode 0.0 · write 2.1 "
+                            "(waits: for reads 9.0, for writes 0.0) — bound by: model")
+    assert "GPU wait, to host, encode 0.0" in clock.line(gpu=True)
+    with pytest.raises(KeyError, match="'modle' is not a stage"):
+        clock.add("modle", 1.0)
