@@ -20,7 +20,6 @@ import logging
 import time
 
 import torch
-from torch._dynamo.utils import counters
 
 from cloudseg.units import human_duration
 
@@ -46,8 +45,18 @@ def compiled(function):
     return torch.compile(function, backend=BACKEND, dynamic=False)
 
 
+def dynamo_counters():
+    """torch._dynamo's counters (graphs, graph breaks, inductor's cache hits), imported here: importing
+    torch._dynamo takes seconds, and a command that compiles nothing never needs it (torch.compile
+    imports it when first called)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
 def graph_counts() -> tuple[int, int]:
     """(graphs compiled, graph breaks met) in this process so far, from torch._dynamo's counters."""
+    counters = dynamo_counters()
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
@@ -60,6 +69,7 @@ def compile_logged(compiling: bool, shape: torch.Size, world: int = 1, what: str
     if not compiling:
         yield
         return
+    counters = dynamo_counters()
     (graphs, breaks), reasons, start = graph_counts(), set(counters["graph_break"]), time.perf_counter()
     yield
     new_graphs, new_breaks = graph_counts()[0] - graphs, graph_counts()[1] - breaks
