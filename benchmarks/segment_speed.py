@@ -24,14 +24,15 @@ the warm-ups, the loads, the first compile and the fixed-cost calls come on top,
 minutes (an estimate: the whole command was not timed). This CPU's default sizes: 2-4 minutes.
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
-scene, on --device (auto: the GPU where there is one; with CUDA, predict.compile=auto compiles
-rows b and c); wall-clock, so other processes on the machine slow every row. Scenes/s and
+scene, on --device (auto: the GPU where there is one; with CUDA rows b and c compile, as
+predict.compile=auto does for a large job); wall-clock, so other processes on the machine slow every row. Scenes/s and
 megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
 the same model (a for b, c; d for e, f).
 
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
-processes on one window-sized scene (imports, loading, and on CUDA compiling, which the second
-call takes from inductor's cache), and the imports alone.
+processes on one window-sized scene (imports, loading; no compiling: auto does not compile for
+one scene), the imports alone, and on CUDA two calls that compile (predict.compile=true), the
+second taking its compile from inductor's cache.
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
        --batch B --config FILE --device D --no-fixed-cost]
@@ -100,6 +101,9 @@ def main() -> None:
     if fixed:
         print(f"\nfixed cost of a call (cloudseg segment in a new process, one {args.tile[0] * 2}x{args.tile[1] * 2} "
               f"scene): {fixed[0]:.1f} s, a second call {fixed[1]:.1f} s; of which imports {fixed[2]:.1f} s")
+        if len(fixed) > 3:
+            print(f"compiling (predict.compile=true): {fixed[3]:.1f} s, a second call {fixed[4]:.1f} s (its compile "
+                  "from inductor's cache)")
 
 
 def print_table(rows: dict, args, device: torch.device, load: float) -> None:
@@ -194,7 +198,9 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
                 forward=None) -> str:
     """`segment` on the checkpoint (loaded anew, as a call does), or the checkpoint's ensemble with
     `forward` for its model (`segment_scenes`: loading apart); its stage line."""
-    options, overrides = SegmentOptions(tuple(args.tile), overlap), [f"predict.batch_size={args.batch}"]
+    # On CUDA rows b and c compile: they stand for a job large enough that predict.compile=auto compiles.
+    options = SegmentOptions(tuple(args.tile), overlap)
+    overrides = [f"predict.batch_size={args.batch}", f"predict.compile={str(device.type == 'cuda').lower()}"]
     clock = StageClock()
     if forward is None:
         failed = segment([str(path) for path in scenes], [str(checkpoint)], out, options, postprocess_file="none",
@@ -208,18 +214,26 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
     return clock.line(gpu=device.type == "cuda")
 
 
-def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, float, float]:
+def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, ...]:
     """Seconds of two `cloudseg segment` calls on `scene` in new processes, one after the other,
-    and of a process that only imports cloudseg.segment."""
-    def seconds(*command) -> float:
+    and of a process that only imports cloudseg.segment; on CUDA then two calls that compile
+    (predict.compile=true; auto does not for one scene), the second from inductor's cache, which
+    starts empty for the first."""
+    def seconds(*command, env=None) -> float:
         start = time.perf_counter()
-        subprocess.run([sys.executable, *command], check=True, capture_output=True)
+        subprocess.run([sys.executable, *command], check=True, capture_output=True, env=env)
         return time.perf_counter() - start
 
     call = ["-m", "cloudseg", "segment", str(scene), "--checkpoint", str(checkpoint), "--postprocess", "none",
             "--device", args.device]
     first, second = (seconds(*call, "--out", str(folder / f"fixed{index}")) for index in range(2))
-    return first, second, seconds("-c", "import cloudseg.segment")
+    imports = seconds("-c", "import cloudseg.segment")
+    if resolve_device(args.device).type != "cuda":
+        return first, second, imports
+    cache = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
+    compiling = [*call[:4], "predict.compile=true", *call[4:]]  # overrides come right after the scenes
+    return first, second, imports, *(seconds(*compiling, "--out", str(folder / f"compiled{index}"), env=cache)
+                                     for index in range(2))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -20,6 +21,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, KeyError, RuntimeError)
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    keep_compiled_graphs()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     exit_on_sigterm()
     try:
@@ -29,6 +31,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cloudseg: error: {one_line(error)}", file=sys.stderr)
         return 2
+
+
+def keep_compiled_graphs() -> None:
+    """A compile's graphs and kernels go to inductor's cache in a per-user folder that outlives a
+    reboot and a job's private /tmp (torch's default is /tmp/torchinductor_USER), so that the next
+    call takes them from there instead of compiling again (docs/segment.md). Set before anything
+    imports torch._dynamo, which fixes the folder; the user's own TORCHINDUCTOR_CACHE_DIR wins."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    try:
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cloudseg" / "inductor"
+        folder.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError):  # no home folder, or a read-only one: torch's default stays
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
 def exit_on_sigterm() -> None:

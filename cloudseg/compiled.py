@@ -11,6 +11,11 @@ last one). Validation and out-of-fold prediction run eagerly: at their own batch
 would each be another graph to wait for, for a few hundred images. engine.window_norm_statistics
 keeps BatchNorm free of the Python float that would otherwise break the graph in every layer.
 `train.speedups.autotune` adds inductor's autotuning to the training compile (AUTOTUNE).
+
+A compile costs tens of seconds once per process; inductor keeps what it compiled in its on-disk
+cache (the command line puts it in ~/.cache/cloudseg/inductor, cli.keep_compiled_graphs), where
+the next process with the same graph finds it. `cloudseg segment` compiles only for a job large
+enough to repay even that (`resolve_compile`'s work_pixels).
 """
 
 from __future__ import annotations
@@ -18,35 +23,51 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
 import time
 
 import torch
-from torch._dynamo.utils import counters
 
 from cloudseg.units import human_duration
 
 log = logging.getLogger("cloudseg")
 
 BACKEND = "inductor"  # torch.compile's default; tests swap in "aot_eager" (the same graphs, no code generation)
+# predict.compile=auto compiles only for a job whose model input is at least this many pixels. Estimated,
+# for an H100 and configs/fullres.yaml's UNet: a compile takes about 15 s (issue #38: a one-scene call's
+# 34 s less its imports, loading and work), and compiled saves about a quarter of the eager forward,
+# some 0.6 ms a megapixel (the training step's eager and compiled rates, 46 and 61.5 images/s of
+# 1400x2100, BENCHMARKS.md): it repays from about 25 gigapixels, fewer with the graphs in inductor's cache.
+# 10 gigapixels: some 850 scenes of 2800x4200, a minute at 150 megapixels/s. To measure on a GPU.
+COMPILE_REPAID_PIXELS = 10e9
 
 
-def resolve_compile(setting: bool | str, device: torch.device, key: str = "train.compile") -> bool:
+def resolve_compile(setting: bool | str, device: torch.device, key: str = "train.compile",
+                    work_pixels: float | None = None) -> bool:
     """`train.compile` or `predict.compile` (`key`): auto compiles on CUDA where Triton is
     installed, which inductor writes GPU kernels in (PyTorch's Linux wheels bring it; Windows
-    ones do not). On a CPU the compile costs more than it saves."""
+    ones do not). On a CPU the compile costs more than it saves. Given `work_pixels`, the pixels
+    the model will see in this call (segment: its scenes' pixels times the test-time flips), auto
+    compiles only from COMPILE_REPAID_PIXELS: a smaller job is done before a compile would repay."""
     if setting != "auto":
         return bool(setting)
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if device.type != "cuda":
+        return False
+    if importlib.util.find_spec("triton") is None:
         log.info("%s=auto: not compiling, Triton is not installed (torch.compile needs it on a GPU)", key)
         return False
-    return device.type == "cuda"
+    if work_pixels is not None and work_pixels < COMPILE_REPAID_PIXELS:
+        log.info("%s=auto: not compiling for %.2f gigapixels of model input (compiling repays from %.0f; "
+                 "%s=true compiles anyway)", key, work_pixels / 1e9, COMPILE_REPAID_PIXELS / 1e9, key)
+        return False
+    return True
 
 
-# train.speedups.autotune: inductor's options for each setting. "all" is torch's own
-# max-autotune-no-cudagraphs mode: no CUDA graphs, which would keep a copy of every input and
-# replay the step outside the accumulation's control.
-AUTOTUNE = {"off": {}, "reductions": {"coordinate_descent_tuning": True},
-            "all": torch._inductor.list_mode_options("max-autotune-no-cudagraphs")}
+# train.speedups.autotune: inductor's options for each setting, or the name of torch's mode that
+# holds them. "all" is max-autotune-no-cudagraphs: no CUDA graphs, which would keep a copy of every
+# input and replay the step outside the accumulation's control. (A mode's options are looked up when
+# compiling: torch._inductor is not imported by a command that never compiles.)
+AUTOTUNE = {"off": {}, "reductions": {"coordinate_descent_tuning": True}, "all": "max-autotune-no-cudagraphs"}
 
 
 def compiled(function, autotune: str = "off"):
@@ -54,29 +75,48 @@ def compiled(function, autotune: str = "off"):
     AUTOTUNE) sets inductor's autotuning for this compile only. Other backends (the tests'
     aot_eager) generate no kernels to tune: they get none of inductor's options."""
     options = AUTOTUNE[autotune] if BACKEND == "inductor" else {}
+    if isinstance(options, str):
+        import torch._inductor
+
+        options = torch._inductor.list_mode_options(options)
     return torch.compile(function, backend=BACKEND, dynamic=False, options=options or None)
+
+
+def dynamo_counters():
+    """torch._dynamo's counters (graphs, graph breaks, inductor's cache hits), imported here: importing
+    torch._dynamo takes seconds, and a command that compiles nothing never needs it (torch.compile
+    imports it when first called)."""
+    from torch._dynamo.utils import counters
+
+    return counters
 
 
 def graph_counts() -> tuple[int, int]:
     """(graphs compiled, graph breaks met) in this process so far, from torch._dynamo's counters."""
+    counters = dynamo_counters()
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 @contextlib.contextmanager
 def compile_logged(compiling: bool, shape: torch.Size, world: int = 1, what: str = "micro-batches"):
     """Around a micro-batch's forward and backward (or a prediction batch's, `what`): when it
-    compiled anything (the first, or a new `shape`), log the graphs, the graph breaks and its
-    time, compiling included. A graph break is a warning on one process; on several, DDP's own
+    compiled anything (the first, or a new `shape`), log the graphs (and how many of them came
+    from inductor's cache, as a second call's should), the graph breaks and its time, compiling
+    included. A graph break is a warning on one process; on several, DDP's own
     hooks break the graph by design."""
     if not compiling:
         yield
         return
+    counters = dynamo_counters()
     (graphs, breaks), reasons, start = graph_counts(), set(counters["graph_break"]), time.perf_counter()
+    cached = counters["aot_autograd"]["autograd_cache_hit"]
     yield
     new_graphs, new_breaks = graph_counts()[0] - graphs, graph_counts()[1] - breaks
     if new_graphs:
         log.info("torch.compile: %s of shape %s: %d graph(s) compiled, %d graph break(s); it took %s with "
-                 "compiling", what, list(shape), new_graphs, new_breaks, human_duration(time.perf_counter() - start))
+                 "compiling (%d graph(s) from inductor's cache in %s)", what, list(shape), new_graphs, new_breaks,
+                 human_duration(time.perf_counter() - start), counters["aot_autograd"]["autograd_cache_hit"] - cached,
+                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default folder"))
     if new_breaks and world == 1:
         log.warning("torch.compile: graph breaks in the %s (each costs speed): %s", what,
                     "; ".join(reason.splitlines()[0] for reason in set(counters["graph_break"]) - reasons) or "as before")

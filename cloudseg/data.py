@@ -11,13 +11,11 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-import albumentations as A
 import cv2
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from sklearn.model_selection import StratifiedKFold
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from cloudseg import rle
@@ -458,6 +456,8 @@ def build_transform(
     `nodata_band` blacks out a vertical band 5-15% of the width (needs `image_size`) and
     removes the labels under it, as in the real swath gaps.
     """
+    import albumentations as A  # here, not at the top: only training augments, and the import takes a second
+
     steps = []
     if nodata_band:
         if image_size is None:
@@ -498,6 +498,8 @@ def make_folds(labels: pd.DataFrame, n_folds: int = 5, seed: int = 42) -> pd.Ser
     (MultilabelStratifiedKFold from iterative-stratification balances each label's count but
     not fold sizes: on the same table folds differed by up to 67 images and shares by up to 3.6%.)
     """
+    from sklearn.model_selection import StratifiedKFold  # here: scikit-learn takes seconds to import; only folds use it
+
     if len(labels) < n_folds:
         raise ValueError(f"cannot split {len(labels)} images into {n_folds} folds")
     present = (labels[list(LABELS)] != "").to_numpy()

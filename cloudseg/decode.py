@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import re
 
-import albumentations as A
 import cv2
 import numpy as np
 import torch
-from albumentations.augmentations.geometric.functional import is_identity_matrix
 
 from cloudseg import rle
 from cloudseg.syncs import named_sync
@@ -63,6 +61,8 @@ def check_replayable(transform) -> None:
     """Refuse a transform with a step that gpu mode cannot replay on the device, naming it."""
     if transform is None:
         return
+    import albumentations as A  # here, as in each function that needs it: only training augments (a second to import)
+
     if not isinstance(transform, A.Compose):
         raise ValueError(f"data.decode=gpu replays an A.Compose of steps, got {type(transform).__name__}")
     for step in transform.transforms:
@@ -74,6 +74,8 @@ def check_replayable(transform) -> None:
 
 def _unreplayable(step) -> str | None:
     """Why `step` cannot be replayed, or None."""
+    import albumentations as A
+
     if isinstance(step, (A.HorizontalFlip, A.VerticalFlip)):
         return None
     if isinstance(step, A.XYMasking):
@@ -119,6 +121,9 @@ def draw_steps(transform, shape: tuple[int, int]) -> list[tuple[str, torch.Tenso
 
 def _replay_step(step, params: dict) -> list[tuple[str, torch.Tensor | np.ndarray | None]]:
     """What the device needs to replay one drawn step (nothing for a step that changes nothing)."""
+    import albumentations as A
+    from albumentations.augmentations.geometric.functional import is_identity_matrix
+
     if isinstance(step, A.HorizontalFlip):
         return [("hflip", None)]
     if isinstance(step, A.VerticalFlip):

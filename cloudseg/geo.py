@@ -24,7 +24,7 @@ import cv2
 import numpy as np
 import torch
 
-from cloudseg.data import read_image, read_jpeg_bytes
+from cloudseg.data import jpeg_frame, read_image, read_jpeg_bytes
 from cloudseg.decode import decode_jpegs
 from cloudseg.files import atomic_path, new_hidden_file
 from cloudseg.syncs import named_sync
@@ -167,6 +167,24 @@ def open_scene(path: str | Path, device: torch.device | str = "cpu"):
             yield scene
         finally:
             scene.close()
+
+
+def scene_shape(path: Path) -> tuple[int, int]:
+    """(H, W) of a scene from its file's header, nothing decoded: a GeoTIFF's through rasterio, a
+    JPEG's frame header (`data.jpeg_frame`, in the first 256 kB unless metadata pushes it further),
+    a PNG's IHDR; (0, 0) where there is none readable: mapping the scene then says why."""
+    try:
+        if path.suffix.lower() in GEOTIFF_SUFFIXES:
+            with geo_module("rasterio").open(path) as dataset:
+                return dataset.height, dataset.width
+        with open(path, "rb") as file:
+            head = file.read(1 << 18)
+            if head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
+                return int.from_bytes(head[20:24], "big"), int.from_bytes(head[16:20], "big")
+            frame = jpeg_frame(head) or jpeg_frame(head + file.read())
+        return (frame.height, frame.width) if frame else (0, 0)
+    except (OSError, RuntimeError):  # unreadable, or rasterio missing (RuntimeError from geo_module)
+        return 0, 0
 
 
 def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.datetime64 | None:

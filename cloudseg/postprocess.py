@@ -22,8 +22,6 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-from scipy.sparse import csr_array
-from scipy.sparse.csgraph import connected_components
 
 from cloudseg.files import atomic_path
 from cloudseg.task import LABELS
@@ -305,6 +303,9 @@ def _levels_between(low, high, position):
 
 def _components(level, start, stop, level_stride, row_stride):
     """Connected components of runs (8-connectivity between adjacent rows of the same level)."""
+    from scipy.sparse import csr_array  # here: SciPy takes a second to import, and only the rule search needs it
+    from scipy.sparse.csgraph import connected_components
+
     if len(level) == 0:
         return 0, np.zeros(0, np.intp)
     offset = level.astype(np.int64) * level_stride

@@ -163,9 +163,11 @@ class Ensemble(NamedTuple):
 
 
 def load_ensemble(checkpoints: list[str], postprocess_file: str | None, overrides: list[str] = (),
-                  device: str = "auto") -> Ensemble:
+                  device: str = "auto", work_pixels: int | None = None) -> Ensemble:
     """Load the checkpoints on `device` (auto, cpu or cuda), take the first one's config, the
-    tuned rule (see `tuned_rule`) and then `overrides` (predict.tta=..., predict.compile=...)."""
+    tuned rule (see `tuned_rule`) and then `overrides` (predict.tta=..., predict.compile=...).
+    `work_pixels`: the pixels of the images the call will predict, when known; predict.compile=auto
+    then compiles only where they, times the test-time flips, repay it (compiled.resolve_compile)."""
     rule_file = tuned_rule(checkpoints, postprocess_file)
     device = resolve_device(device)
     speed_switches(device)
@@ -181,7 +183,8 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
         raw["predict"].update({key: rule[key] for key in (*RULE_KEYS, *RULE_DEFAULTS)})
         top_k = rule.get("top_k", TOP_K)
     config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
-    compiling = resolve_compile(config.predict.compile, device, "predict.compile")
+    flipped = None if work_pixels is None else work_pixels * len(TTA_FLIPS[config.predict.tta])
+    compiling = resolve_compile(config.predict.compile, device, "predict.compile", flipped)
     models = [model for model, _ in loaded]
     if any(kind in HEAD_GATES for kind in config.predict.gate_on) and not all(model.has_head for model in models):
         raise ValueError(f"{rule_file or 'predict.gate_on'}: the rule gates on the classification head "

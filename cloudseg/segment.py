@@ -28,6 +28,7 @@ import contextlib
 import glob
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -429,11 +430,19 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
     check_writable(out_dir, scenes)
     start = time.perf_counter()
-    ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)))
+    ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)),
+                             work_pixels=pixels_to_map(scenes, out_dir, options.grid))
     log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
              human_duration(time.perf_counter() - start))
     return segment_scenes(scenes, ensemble, out_dir, replace(options, tile=window_size(ensemble, options.tile,
                                                                                          checkpoints[0])), clock=clock)
+
+
+def pixels_to_map(scenes: list[Path], out_dir: Path, grid: float | None) -> int:
+    """Pixels of the scenes that this process will map (its share, less those done), from the
+    files' headers: predict.compile=auto compiles only for a job that repays it."""
+    mine = scenes[distributed.rank()::distributed.world_size()]
+    return sum(math.prod(geo.scene_shape(path)) for path in mine if not is_done(out_dir, path, grid))
 
 
 def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, options: SegmentOptions, *,

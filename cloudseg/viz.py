@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import cv2
-import matplotlib.pyplot as plt  # without a display matplotlib picks Agg; notebooks keep their inline backend
 import numpy as np
 import pandas as pd
 
@@ -20,6 +19,15 @@ from cloudseg.task import LABELS, SUBMISSION_SHAPE
 COLORS = {"Fish": (230, 25, 75), "Flower": (60, 180, 75), "Gravel": (255, 225, 25), "Sugar": (0, 130, 200)}
 """One RGB colour per class, in every picture."""
 LEGEND_HEIGHT = 24
+
+
+def pyplot():
+    """matplotlib.pyplot, imported at the first plot, not with this module: it takes a second, and
+    the masks and overlays (segment, show) are drawn with OpenCV alone. Without a display matplotlib
+    picks Agg; notebooks keep their inline backend."""
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def overlay(image: np.ndarray, masks: np.ndarray, alpha: float = 0.35) -> np.ndarray:
@@ -67,7 +75,7 @@ def save_png(path: str | Path, rgb: np.ndarray) -> Path:
 
 def plot_curves(metrics: pd.DataFrame, path: str | Path | None = None):
     """Loss, mean Dice, per-class Dice and learning rate per epoch (a run's metrics.csv)."""
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
+    fig, axes = pyplot().subplots(1, 4, figsize=(18, 3.6))
     axes[0].plot(metrics["epoch"], metrics["train_loss"], "o-", label="train")
     axes[0].plot(metrics["epoch"], metrics["valid_loss"], "o-", label="validation")
     axes[1].plot(metrics["epoch"], metrics["dice"], "o-", color="black", label="mean")
@@ -81,7 +89,7 @@ def plot_curves(metrics: pd.DataFrame, path: str | Path | None = None):
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=80, format="png")
-        plt.close(fig)
+        pyplot().close(fig)
     return fig
 
 
@@ -171,7 +179,7 @@ def band_stats(image_dir: str | Path, image_ids, limit: int = 200) -> pd.Series:
 
 
 def plot_label_stats(stats: dict):
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 3.8))
     stats["frequency"].plot.bar(ax=axes[0], color=[np.array(COLORS[c]) / 255 for c in LABELS], title="share of images with the label")
     axes[1].imshow(stats["cooccurrence"], cmap="Blues")
     axes[1].set(xticks=range(4), yticks=range(4), xticklabels=LABELS, yticklabels=LABELS, title="images with both labels")
@@ -183,7 +191,7 @@ def plot_label_stats(stats: dict):
 
 
 def plot_mask_stats(stats: pd.DataFrame):
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    fig, axes = pyplot().subplots(1, 2, figsize=(12, 3.8))
     for label in LABELS:
         part = stats[stats.label == label]
         colour = np.array(COLORS[label]) / 255
@@ -197,7 +205,7 @@ def plot_mask_stats(stats: pd.DataFrame):
 
 
 def plot_band_stats(shares: pd.Series):
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
     ax.hist(shares, bins=20, range=(0, 1), color="black")
     ax.set(title=f"black no-data share ({(shares > 0.001).mean():.0%} of images have some)", xlabel="share of the image")
     fig.tight_layout()
@@ -207,7 +215,7 @@ def plot_band_stats(shares: pd.Series):
 def plot_grid(pictures: list[np.ndarray], titles: list[str], columns: int = 2):
     """Pictures (e.g. from `panels`) in a grid."""
     rows = -(-len(pictures) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(8 * columns, 3.2 * rows), squeeze=False)
+    fig, axes = pyplot().subplots(rows, columns, figsize=(8 * columns, 3.2 * rows), squeeze=False)
     for ax in axes.ravel():
         ax.axis("off")
     for ax, picture, title in zip(axes.ravel(), pictures, titles):
@@ -242,7 +250,7 @@ def plot_postprocess_effect(result: dict):
     """Per-class CV Dice before and after tuning, from a postprocess.json."""
     before, after = result["cv_dice"]["before"], result["cv_dice"]["after"]
     keys = [*LABELS, "mean"]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = pyplot().subplots(figsize=(8, 3.5))
     x = np.arange(len(keys))
     ax.bar(x - 0.2, [before[k] for k in keys], 0.4, label="before tuning", color="lightgrey")
     ax.bar(x + 0.2, [after[k] for k in keys], 0.4, label="after tuning", color="steelblue")
@@ -340,7 +348,7 @@ def plot_gridded_fractions(grid, index: int = 0):
     """One map per class of a grid.nc dataset's `fraction` at time (or scene) `index`, with the
     valid pixels per cell beside them."""
     first = grid.fraction.dims[0]
-    fig, axes = plt.subplots(1, len(LABELS) + 1, figsize=(4 * (len(LABELS) + 1), 3.4))
+    fig, axes = pyplot().subplots(1, len(LABELS) + 1, figsize=(4 * (len(LABELS) + 1), 3.4))
     extent = [float(grid.lon.min()) - grid.grid_degrees / 2, float(grid.lon.max()) + grid.grid_degrees / 2,
               float(grid.lat.min()) - grid.grid_degrees / 2, float(grid.lat.max()) + grid.grid_degrees / 2]
     for ax, label in zip(axes, LABELS):

@@ -160,3 +160,12 @@ def test_segment_benchmark_prints_its_table():
 def test_segment_benchmark_reports_a_call_s_fixed_cost():
     out = run(*SEGMENT_SPEED)
     assert "fixed cost of a call" in out and "a second call" in out and "of which imports" in out
+
+
+@pytest.mark.slow  # four new processes that import cloudseg's commands
+def test_import_benchmark_prints_its_table():
+    """Would catch: a row missing, a heavy module not reported (segment's --help loads no torch)."""
+    out = run("benchmarks/import_time.py", "--repeat", "1")
+    for row in ("cloudseg segment --help", "import cloudseg.segment", "import cloudseg.predict", "import cloudseg.train"):
+        assert f"| {row} |" in out
+    assert "| cloudseg segment --help | " in out and "| none |" in out and "tensorboard" in out

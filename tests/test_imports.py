@@ -1,0 +1,89 @@
+"""What a command imports (issue #38): a one-scene `cloudseg segment` pays for every module it
+imports, so the heavy ones it does not use stay out, each imported by the one function that
+needs it. Each check runs in a new process (sys.modules of this one holds everything). Device:
+none (imports only; the processes start beside the fake GPU, as every test subprocess).
+
+torch._dynamo comes with any model: segmentation_models_pytorch imports timm, which imports
+torchvision.ops, which imports torch._dynamo. So it is checked on cloudseg's modules that build
+no model, where only cloudseg itself could bring it in."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# The heavy modules a command may import only when it uses them, and what uses them.
+HEAVY = {
+    "torch._dynamo": "compiling (and any model, through torchvision)",
+    "sklearn": "making folds (data.make_folds)",
+    "matplotlib": "plots (viz)",
+    "albumentations": "training's augmentation (data.build_transform)",
+    "tensorboard": "training's log (train)",
+    "scipy.sparse.csgraph": "the rule search (postprocess, tune)",
+}
+
+
+def imported_by(code: str) -> set[str]:
+    """The modules in sys.modules of a new Python process after it runs `code`."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def heavy(modules: set[str]) -> set[str]:
+    return {name for name in HEAVY if name in modules}
+
+
+SEGMENT_HELP = """
+from cloudseg.cli import main
+try:
+    main(["segment", "--help"])
+except SystemExit:
+    pass
+"""
+
+
+@pytest.mark.parametrize("code, allowed", [
+    ("import cloudseg.segment", {"torch._dynamo"}),  # through smp -> timm -> torchvision.ops
+    ("import cloudseg.predict", {"torch._dynamo"}),
+    ("import cloudseg.compiled, cloudseg.data, cloudseg.decode, cloudseg.viz, cloudseg.postprocess", set()),
+], ids=["segment", "predict", "no-model-modules"])
+def test_a_module_imports_no_heavy_module_it_does_not_use(code, allowed):
+    """Would catch: `import matplotlib.pyplot` back at the top of viz (segment imports viz for its
+    overlay), scikit-learn at the top of data (segment reads scenes through data), albumentations
+    at the top of decode, SciPy's csgraph at the top of postprocess, torch._dynamo imported by
+    compiled at its top."""
+    found = heavy(imported_by(code)) - allowed
+    assert not found, {name: HEAVY[name] for name in found}
+
+
+def test_a_command_s_help_imports_no_torch():
+    """Would catch: the command line importing a command's module (and torch) before the
+    command runs, so that `cloudseg segment --help` waits seconds for PyTorch."""
+    modules = imported_by(SEGMENT_HELP)
+    assert "cloudseg.cli" in modules and "torch" not in modules
+
+
+def test_the_checker_sees_each_heavy_module_once_its_user_runs():
+    """The control: the functions that use each heavy module still import it (and the checker
+    finds it in a process that did). Would catch: a checker that never finds anything (a typo
+    in a module's name, sys.modules read from the wrong process), and a lazy import lost from
+    the function that needs it."""
+    code = """
+import numpy as np
+import pandas as pd
+import torch
+from cloudseg import compiled, data, postprocess, viz
+from cloudseg.task import LABELS
+labels = pd.DataFrame({label: ["1 1"] * 5 + [""] * 5 for label in LABELS})
+data.make_folds(labels, n_folds=2)
+data.build_transform(hflip=0.5)
+viz.plot_curves(pd.DataFrame({"epoch": [1], "train_loss": [1.0], "valid_loss": [1.0], "dice": [0.5], "lr": [0.1],
+                              **{f"dice_{label}": [0.5] for label in LABELS}}))
+postprocess.grid_scores(np.zeros((1, 8, 8), np.uint8), np.zeros((1, 8, 8), bool))
+compiled.graph_counts()
+import cloudseg.train
+"""
+    assert heavy(imported_by(code)) == set(HEAVY)
