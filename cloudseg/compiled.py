@@ -75,10 +75,8 @@ def compiled(function, autotune: str = "off"):
     AUTOTUNE) sets inductor's autotuning for this compile only. Other backends (the tests'
     aot_eager) generate no kernels to tune: they get none of inductor's options."""
     options = AUTOTUNE[autotune] if BACKEND == "inductor" else {}
-    if isinstance(options, str):
-        import torch._inductor
-
-        options = torch._inductor.list_mode_options(options)
+    if isinstance(options, str):  # a mode's name: its options from torch._inductor, imported now
+        options = importlib.import_module("torch._inductor").list_mode_options(options)
     return torch.compile(function, backend=BACKEND, dynamic=False, options=options or None)
 
 
