@@ -140,6 +140,7 @@ def in_new_process(cache_home: Path, *arguments: str) -> subprocess.CompletedPro
     return done
 
 
+@pytest.mark.slow  # two new processes compiling with inductor: about a minute on the 2-core VM (make test-all)
 def test_a_second_process_takes_the_compiled_graph_from_inductor_s_cache(tmp_path):
     """Two new processes compile the same model with inductor on the CPU; the second compiles
     nothing itself. Would catch: a cache folder that changes from process to process (a
