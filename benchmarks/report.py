@@ -20,8 +20,9 @@ Expected on one H100 (estimates from the 2026-11-25/26 figures, to be replaced b
 own part times, which the report records): training 150-200 s (five inductor compiles of the
 full-size step and the inference graph, FX-graph cache cold), memory 40-60 s, segment 60-90 s (two
 new processes of ~34 s for the fixed cost), epoch 60 s, predict 20-30 s: about 6 minutes with a
-cold cache. inductor's cache goes to bench/inductor-cache (TORCHINDUCTOR_CACHE_DIR, unless set), so
-a second `make bench` on the same machine compiles from it.
+cold cache. Every part compiles into the folder of inductor's cache that cloudseg's commands use
+(cli.keep_compiled_graphs: ~/.cache/cloudseg/inductor unless TORCHINDUCTOR_CACHE_DIR is set), so
+the parts share their compiles and a second `make bench` on the same machine compiles from it.
 
 --tiny runs every part at toy sizes (the CPU test of this script, tests/test_bench_report.py):
 the same commands and flags, only sizes and device differ, so the GPU run cannot fail on a typo.
@@ -48,7 +49,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from cloudseg.cli import add_device_option
+from cloudseg.cli import add_device_option, keep_compiled_graphs
 from cloudseg.files import atomic_path
 from cloudseg.hardware import resolve_device, resolve_precision
 
@@ -111,7 +112,6 @@ class Report:
         log = self.work / f"{part}-{len(self.summary)}.log"
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        environment.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.out.parent / "inductor-cache"))
         with open(log, "w") as sink:
             process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=environment, stdout=sink,
                                        stderr=subprocess.STDOUT, start_new_session=True)
@@ -253,6 +253,7 @@ def write(report: Report, head: str) -> None:
 
 def main() -> None:
     args = parse_args()
+    keep_compiled_graphs()  # the parts' processes inherit cloudseg's folder of inductor's cache
     device = resolve_device(args.device)
     parts = [*args.parts, *(["candidates"] if args.candidates else []), *(["autotune"] if args.autotune else [])]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -438,11 +438,15 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
                                                                                          checkpoints[0])), clock=clock)
 
 
+def my_share(scenes: list[Path]) -> list[Path]:
+    """The scenes this process maps (every world_size-th from its rank)."""
+    return scenes[distributed.rank()::distributed.world_size()]
+
+
 def pixels_to_map(scenes: list[Path], out_dir: Path, grid: float | None) -> int:
     """Pixels of the scenes that this process will map (its share, less those done), from the
     files' headers: predict.compile=auto compiles only for a job that repays it."""
-    mine = scenes[distributed.rank()::distributed.world_size()]
-    return sum(math.prod(geo.scene_shape(path)) for path in mine if not is_done(out_dir, path, grid))
+    return sum(math.prod(geo.scene_shape(path)) for path in my_share(scenes) if not is_done(out_dir, path, grid))
 
 
 def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, options: SegmentOptions, *,
@@ -450,7 +454,7 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
     """`segment` with the ensemble loaded and `options.tile` set: this process's share of `scenes`,
     then the summaries. Its log lines give the rate over the scenes alone (loading apart; a
     compile, the first batch's, included), then the seconds of each stage (`stages.StageClock`)."""
-    mine = scenes[distributed.rank()::distributed.world_size()]
+    mine = my_share(scenes)
     todo = [path for path in mine if not is_done(out_dir, path, options.grid)]
     failed, start, pixels, clock = [], time.perf_counter(), 0, clock or StageClock()
     with opencv_threads(1):
