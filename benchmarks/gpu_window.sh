@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One short GPU window, as one command: `make test-gpu` (cut at TEST_S seconds), then `make bench`
+# in what is left of LIMIT_S, the segment part first. Logs, the report and the GPU's name go to OUT.
+# For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
+# ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
+#   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210]
+set -u
+LIMIT_S=${1:-570}
+TEST_S=${2:-210}
+mkdir -p "${OUT:=bench/window}" bench && OUT=$(cd "$OUT" && pwd)
+start=$SECONDS
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=$PWD:/tmp/site
+fi
+export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="--ignore tests/test_notebooks.py"  # nbformat may be absent
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.txt" 2>&1
+python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'smp', smp.__version__)" >>"$OUT/gpu.txt" 2>&1
+
+timeout -k 5 "$TEST_S" make test-gpu PY=python3 STAMP= >"$OUT/test-gpu.log" 2>&1
+echo "make test-gpu: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/test-gpu.log"
+
+budget=$((LIMIT_S - (SECONDS - start) - 20))
+make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts segment training memory epoch predict" \
+  >"$OUT/bench.log" 2>&1
+echo "make bench: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
+cp bench/report.md "$OUT/" 2>/dev/null
+(cd bench/work 2>/dev/null && tar czf "$OUT/part-logs.tgz" ./*.log ./*.json 2>/dev/null)
+tail -n 25 "$OUT/test-gpu.log"
+sed -n '/^## segment/,/^## training/p' bench/report.md 2>/dev/null | grep -v '^```' | head -40
