@@ -86,7 +86,7 @@ def main() -> None:
         scenes = [write_scene(folder / "scenes" / f"scene{i}.tif", args.height, args.width, i) for i in range(args.scenes)]
         warm = write_scene(folder / "warm" / "warm.tif", args.tile[0] * 2, args.tile[1] * 2, 99)
         model, _ = load_model(checkpoint, device)
-        rows = {}
+        rows = Rows(args.scenes * args.height * args.width / 1e6)
         for letters, name, forward in (("abc", "", model), ("def", ", no model", Constant())):
             rows[f"{letters[0]}. naive loop{name} (batch 1, no overlap)"] = timed(
                 lambda out, forward=forward: naive(scenes, forward, args.tile, device, out),
@@ -104,6 +104,21 @@ def main() -> None:
         if len(fixed) > 3:
             print(f"compiling (predict.compile=true): {fixed[3]:.1f} s, a second call {fixed[4]:.1f} s (its compile "
                   "from inductor's cache)")
+
+
+class Rows(dict):
+    """The table's rows, each printed the moment it is measured (with its stage line): a run cut
+    short (make bench's time limit) still shows the rows it finished; the table comes at the end."""
+
+    def __init__(self, megapixels: float):
+        super().__init__()
+        self.megapixels = megapixels
+
+    def __setitem__(self, name, result):
+        super().__setitem__(name, result)
+        seconds, cpu, stages = result
+        print(f"  measured {name}: {seconds:.1f} s, {cpu:.1f} CPU s, {self.megapixels / seconds:.2f} megapixels/s"
+              + (f"; {stages}" if stages else ""), flush=True)
 
 
 def print_table(rows: dict, args, device: torch.device, load: float) -> None:
@@ -222,7 +237,10 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
     def seconds(*command, env=None) -> float:
         start = time.perf_counter()
         subprocess.run([sys.executable, *command], check=True, capture_output=True, env=env)
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        print(f"  measured a new process: {' '.join(command[:3])}{' (compiling)' if env else ''}: {took:.1f} s",
+              flush=True)
+        return took
 
     call = ["-m", "cloudseg", "segment", str(scene), "--checkpoint", str(checkpoint), "--postprocess", "none",
             "--device", args.device]

@@ -17,7 +17,8 @@ Where the work runs: the blend, the thresholds and the counts run where the mode
 its device); on a GPU only the finished rows' uint8 bands and counts cross to the host, once per
 row of windows, and a JPEG scene is decoded there too. Windows are read a batch ahead in a
 thread (GDAL and OpenCV release the GIL); rows are encoded (`geo.output_bands`: OpenCV on a CPU)
-and written in another, the GeoTIFF compressed by GDAL's own threads.
+and written in another (`Writer`), the GeoTIFF compressed by GDAL's own threads, and each scene is
+finished there (its last blocks compressed, NAME.json) while the next scene is read and mapped.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ class StripBlender:
 def prefetched(function, items: list, ahead: int = 1):
     """function(item) for each item, in order, the next `ahead` ones computed meanwhile, each in a
     thread of its own (reading windows overlaps the model's work, and other reads: GDAL and OpenCV
-    release the GIL; `in_background` overlaps the writing likewise)."""
+    release the GIL; `Writer` overlaps the writing likewise)."""
     with concurrent.futures.ThreadPoolExecutor(ahead) as pool:
         pending = collections.deque(pool.submit(function, item) for item in items[:ahead])
         for index in range(len(items)):
@@ -198,7 +199,7 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
     ensemble's device. A pixel is valid where it is not black (predict.no_data) and the file has
     data there; off the data the probabilities are whatever the model said (output_bands writes
     NODATA there). The bands are views of the blender's strips: read each before asking for the
-    band after next (as `in_background` and a plain loop do). `clock` gets each stage's seconds."""
+    band after next (as `Writer` and a plain loop do). `clock` gets each stage's seconds."""
     grid, device, clock = tiling(scene.height, scene.width, tile, overlap), ensemble.device, clock or StageClock()
     windows = [(row, column) for row in range(len(grid.tops)) for column in range(len(grid.lefts))]
     size = ensemble.config.predict.batch_size
@@ -300,77 +301,130 @@ class SceneCounts:
 
 
 def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: SegmentOptions,
-                  clock: StageClock | None = None) -> dict:
+                  clock: StageClock | None = None, writer: Writer | None = None) -> concurrent.futures.Future:
     """Map one scene into `out_dir` (GeoTIFF in: NAME.tif; JPEG/PNG in: NAME_masks.png and
     NAME_overlay.png), then NAME.json, its fractions, last: its presence means the scene is done.
     The masks use the run's tuned per-class threshold; the rule's minimum area and gate are not
     applied: they were tuned on whole 1400×2100 images (see docs/segment.md). `clock` gets each
-    stage's seconds."""
+    stage's seconds. The outputs are written, and finished (the last blocks compressed, a COG
+    copied, NAME.json), in `writer`'s thread: this returns once the scene is read and mapped, with
+    the future of the finish, whose result is the scene's record (or its error). Without `writer`,
+    in one of its own, awaited."""
+    if writer is None:
+        with Writer(clock) as writer:
+            finish = segment_scene(path, out_dir, ensemble, options, clock, writer)
+        return finish
     clock = clock or StageClock()
     with geo.open_scene(path, ensemble.device) as scene:
         counts = SceneCounts(scene, options.grid)
         rows = blended_rows(scene, ensemble, options.tile, options.overlap, clock)
         thresholds = ensemble.config.predict.threshold
         if isinstance(scene, geo.GeoTiffScene):
-            map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, clock=clock)
+            close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, writer)
         else:
-            map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
-        record = counts.record(path.name, geo.scene_time(path, scene.tags, options.time_pattern))
-    with atomic_path(done_file(out_dir, path)) as tmp:
-        tmp.write_text(json.dumps(record))
-    return record
+            close = map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
+        when = geo.scene_time(path, scene.tags, options.time_pattern)
+
+    def finish() -> dict:
+        with clock("write"):
+            close()
+        record = counts.record(path.name, when)
+        with atomic_path(done_file(out_dir, path)) as tmp:
+            tmp.write_text(json.dumps(record))
+        return record
+
+    return writer.submit(finish)
 
 
-def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions, *,
-                clock: StageClock) -> None:
+class Writer:
+    """One thread that writes outputs in order while the caller computes the next ones, across
+    scenes: a scene is finished there while the next one is read and mapped. Each `submit` waits
+    for the item before it (so at most two are held, and a band of the blender's strips is written
+    before the band after next is made); the waits go to `clock`'s "wait for writes". An item's
+    error is its own future's: the scene's code that queued it keeps it (map_geotiff, segment_scene)."""
+
+    def __init__(self, clock: StageClock | None = None):
+        self.clock, self.pool, self.pending = clock or StageClock(), concurrent.futures.ThreadPoolExecutor(1), None
+
+    def submit(self, function, *args) -> concurrent.futures.Future:
+        self.wait()
+        self.pending = self.pool.submit(function, *args)
+        return self.pending
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            with self.clock("wait for writes"):
+                concurrent.futures.wait([self.pending])
+            self.pending = None
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.wait()
+        self.pool.shutdown()
+
+
+def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions,
+                writer: Writer):
     """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands`) and write the outputs of
-    `options` into the GeoTIFF `out` as they come, in a thread while the model works on the next ones."""
+    `options` into the GeoTIFF `out` as they come, in `writer`'s thread while the model works on the
+    next ones. Returns what finishes the file there (the last blocks compressed, a COG copied, the
+    temporary file renamed) or, after a failed write, removes it and raises that write's error. A
+    failed write stops the mapping at the next rows; an error of the mapping removes the file here."""
+    clock, failed = writer.clock, []  # failed: the first write's error, from the writer's thread
 
     def write(top, probs, valid):
-        with clock("encode"):
-            bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
-        with clock("write"):
-            geo.write_geotiff_rows(written, top, geo.chosen_bands(bands, options.outputs))
-            counts.add(top, bands, pixel_counts)
+        if failed:
+            return
+        try:
+            with clock("encode"):
+                bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
+            with clock("write"):
+                geo.write_geotiff_rows(written, top, geo.chosen_bands(bands, options.outputs))
+                counts.add(top, bands, pixel_counts)
+        except BaseException as error:  # noqa: BLE001 -- kept for the scene: raised by close() or the mapping
+            failed.append(error)
 
-    with contextlib.ExitStack() as closing:
-        written = closing.enter_context(geo.geotiff_writer(out, scene, options.outputs, options.compress, options.cog))
-        in_background(write, rows, clock)
-        with clock("write"):
-            closing.close()  # the last blocks compressed, and with --cog the COG copied: part of the write
+    def close():
+        if failed:
+            removed(failed[0])
+        output.close()
+
+    def removed(error: BaseException):
+        output.__exit__(type(error), error, error.__traceback__)
+        raise error
+
+    output = contextlib.ExitStack()
+    written = output.enter_context(geo.geotiff_writer(out, scene, options.outputs, options.compress, options.cog))
+    try:
+        for top, probs, valid in rows:
+            if failed:
+                raise failed[0]
+            writer.submit(write, top, probs, valid)
+    except BaseException as error:
+        writer.wait()  # no write of this file left running
+        removed(error)
+    return close
 
 
-def in_background(function, items, clock: StageClock | None = None) -> None:
-    """function(*item) for each item, in order, in a thread, one at a time: the next item is
-    computed meanwhile, and waits for the previous call (so at most two items are held); the waits
-    go to `clock`'s "wait for writes"."""
-    clock = clock or StageClock()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = None
-        for item in items:
-            if pending:
-                with clock("wait for writes"):
-                    pending.result()
-            pending = pool.submit(function, *item)
-        if pending:
-            with clock("wait for writes"):
-                pending.result()
-
-
-def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock: StageClock) -> None:
-    """Gather the masks of a JPEG or PNG scene (held whole anyway), then write STEM_masks.png and
-    STEM_overlay.png."""
+def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock: StageClock):
+    """Gather the masks of a JPEG or PNG scene (held whole anyway); returns what writes
+    STEM_masks.png and STEM_overlay.png (in the writer's thread)."""
     masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
     for top, probs, valid in rows:
         with clock("encode"):
             bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
         masks[:, top:top + bands.shape[1]] = bands[len(LABELS):]
         counts.add(top, bands, pixel_counts)
-    with clock("write"):
+
+    def write_pngs():
         valid = masks[0] != geo.NODATA
         masks[:, ~valid] = 0
         geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid))
         geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks))
+
+    return write_pngs
 
 
 def done_file(out_dir: Path, path: Path) -> Path:
@@ -457,14 +511,22 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
     mine = my_share(scenes)
     todo = [path for path in mine if not is_done(out_dir, path, options.grid)]
     failed, start, pixels, clock = [], time.perf_counter(), 0, clock or StageClock()
-    with opencv_threads(1):
+
+    def fail(path: Path, error: BaseException) -> None:
+        failed.append(str(path))
+        tqdm.write(f"cloudseg segment: {scene_error(path, error)}", file=sys.stderr)
+
+    finishing = []  # (scene, the future of its finish, in the writer's thread while the next scene is mapped)
+    with opencv_threads(1), Writer(clock) as writer:
         for path in tqdm(todo, desc=f"segment (process {distributed.rank()})", unit="scene", disable=None):
             try:
-                record = segment_scene(path, out_dir, ensemble, options, clock)
-                pixels += record["height"] * record["width"]
+                finishing.append((path, segment_scene(path, out_dir, ensemble, options, clock, writer)))
             except (ValueError, OSError, RuntimeError) as error:
-                failed.append(str(path))
-                tqdm.write(f"cloudseg segment: {scene_error(path, error)}", file=sys.stderr)
+                fail(path, error)
+            while finishing and finishing[0][1].done():
+                pixels += finished(*finishing.pop(0), fail)
+    for path, finish in finishing:  # done: the writer was closed
+        pixels += finished(path, finish, fail)
     failed = distributed.gathered(failed)  # every process waits here for all the others' scenes
     if distributed.is_main():
         write_summaries(scenes, out_dir, options.grid)
@@ -475,6 +537,16 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
         log.info("segment: %s (process 0, %.1f s)", clock.line(gpu=ensemble.device.type == "cuda"), seconds)
     distributed.stop()
     return len(failed)
+
+
+def finished(path: Path, finish: concurrent.futures.Future, fail) -> int:
+    """The pixels of a scene whose finish is done, or 0 after `fail(path, its error)`."""
+    try:
+        record = finish.result()
+    except (ValueError, OSError, RuntimeError) as error:
+        fail(path, error)
+        return 0
+    return record["height"] * record["width"]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,131 @@
+"""`cloudseg segment` across scenes (issue #38, item 2): a scene is finished (its last blocks
+compressed, NAME.json written) in the writer's thread while the next scene is read and mapped,
+and each scene's errors stay its own. CPU, small GeoTIFF scenes, a model that costs nothing."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from cloudseg import geo
+from cloudseg import segment as segment_module
+from cloudseg.files import atomic_path
+from cloudseg.stages import StageClock
+from tests.test_segment import pixelwise, smooth_scene, tiny_ensemble, write_geotiff  # noqa: F401
+
+pytest.importorskip("rasterio")
+
+OPTIONS = segment_module.SegmentOptions((64, 96), 0.25)
+
+
+@pytest.fixture
+def scenes(tmp_path):
+    """Three 320×230 GeoTIFF scenes, a.tif, b.tif and c.tif (5 rows of windows each)."""
+    (tmp_path / "in").mkdir()
+    return [write_geotiff(tmp_path / "in" / f"{name}.tif", smooth_scene(320, 230, seed)) for seed, name in enumerate("abc")]
+
+
+def counting(ensemble, calls: list):
+    """The ensemble with the pixelwise model, each call's batch size appended to `calls`."""
+    return ensemble._replace(forwards=[lambda images: calls.append(len(images)) or pixelwise(images)])
+
+
+def test_the_next_scene_is_read_and_mapped_while_the_last_one_is_finished(tiny_ensemble, scenes, tmp_path,
+                                                                          monkeypatch):
+    """CPU. Would catch: a loop that finishes each scene (its file closed, NAME.json written)
+    before it reads the next one: the next scene's first read would come after a's finish."""
+    _, ensemble = tiny_ensemble
+    events = []
+    read = geo.GeoTiffScene.read
+
+    def logged_read(scene, *box):
+        events.append(("read", scene.path.stem, time.perf_counter()))
+        return read(scene, *box)
+
+    def slow_done_file(path):
+        if path.name == "a.json":
+            time.sleep(0.5)
+            events.append(("finished", "a", time.perf_counter()))
+        return atomic_path(path)
+
+    monkeypatch.setattr(geo.GeoTiffScene, "read", logged_read)
+    monkeypatch.setattr(segment_module, "atomic_path", slow_done_file)
+    assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 0
+    first_read_of_b = min(when for what, name, when in events if what == "read" and name == "b")
+    finished_a = next(when for what, name, when in events if what == "finished")
+    assert first_read_of_b < finished_a
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["a.json", "a.tif", "b.json", "b.tif",
+                                                                          "fractions.csv"]
+
+
+def test_a_failed_write_fails_its_own_scene_stops_it_and_leaves_no_file(tiny_ensemble, scenes, tmp_path,
+                                                                       monkeypatch, capsys):
+    """CPU. Would catch: a write's error raised while the next scene is mapped (c blamed, or c
+    not mapped), a temporary file left behind, or a scene mapped to its end though its output
+    cannot be written (b's model calls as many as a's)."""
+    _, ensemble = tiny_ensemble
+    write = geo.write_geotiff_rows
+
+    def failing_for_b(out, top, bands):
+        if Path(out.name).name.startswith(".b.tif."):  # the dataset of b.tif's temporary file
+            raise OSError(28, "No space left on device")
+        return write(out, top, bands)
+
+    calls, first_call = [], {}  # first_call: each scene's, by the model calls before its first read
+    read = geo.GeoTiffScene.read
+
+    def logged_read(scene, *box):
+        first_call.setdefault(scene.path.stem, len(calls))
+        return read(scene, *box)
+
+    monkeypatch.setattr(geo.GeoTiffScene, "read", logged_read)
+    monkeypatch.setattr(geo, "write_geotiff_rows", failing_for_b)
+    clock = StageClock()
+    assert segment_module.segment_scenes(scenes, counting(ensemble, calls), tmp_path / "out", OPTIONS,
+                                         clock=clock) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"cloudseg segment: {scenes[1]}") and "No space left" in error[0]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["a.json", "a.tif", "c.json", "c.tif",
+                                                                          "fractions.csv"]
+    calls_a, calls_b = first_call["b"] - first_call["a"], first_call["c"] - first_call["b"]
+    assert 0 < calls_b < calls_a
+
+
+def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys):
+    """CPU. Would catch: the error of a's finish (here its NAME.json) raised while b is mapped and
+    reported as b's, or b then left unmapped; a keeps no NAME.json, so a rerun maps it again."""
+    _, ensemble = tiny_ensemble
+
+    def failing_for_a(path):
+        if path.name == "a.json":
+            raise OSError(5, "Input/output error")
+        return atomic_path(path)
+
+    monkeypatch.setattr(segment_module, "atomic_path", failing_for_a)
+    assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"cloudseg segment: {scenes[0]}")
+    assert (tmp_path / "out" / "b.json").is_file() and not (tmp_path / "out" / "a.json").exists()
+    assert not segment_module.is_done(tmp_path / "out", scenes[0], None)
+
+
+def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys):
+    """CPU. Would catch: the scene's temporary GeoTIFF left behind when its reading fails midway
+    (with a slow write of it queued), the error blamed on b, or b not mapped."""
+    _, ensemble = tiny_ensemble
+    read, write = geo.GeoTiffScene.read, geo.write_geotiff_rows
+
+    def failing_read(scene, top, left, height, width):
+        if scene.path.stem == "a" and top > 150:
+            raise OSError(5, "Read failed")
+        return read(scene, top, left, height, width)
+
+    def slow_write(out, top, bands):
+        time.sleep(0.05)
+        write(out, top, bands)
+
+    monkeypatch.setattr(geo.GeoTiffScene, "read", failing_read)
+    monkeypatch.setattr(geo, "write_geotiff_rows", slow_write)
+    assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
+    assert capsys.readouterr().err.startswith(f"cloudseg segment: {scenes[0]}")
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "fractions.csv"]
