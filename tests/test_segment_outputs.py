@@ -1,6 +1,7 @@
 """`cloudseg segment`'s outputs (--outputs, --compress, --cog), its GDAL threads and its stage line
 (cloudseg.stages), on the CPU with small scenes and models that cost nothing."""
 
+import threading
 import time
 
 import numpy as np
@@ -31,6 +32,7 @@ def mapped(monkeypatch, checkpoint, scenes, out, *options):
                        "--postprocess", "none", *options) == 0
     with rasterio.open(out / "scene.tif") as written:
         codec = written.compression.name.lower() if written.compression else "none"
+        assert "--cog" in options or written.count == 1 or written.interleaving.value == "BAND"  # geo.INTERLEAVE
         return written.read(), (codec, written.descriptions)
 
 
@@ -125,6 +127,23 @@ def test_the_stage_line_adds_up_and_names_the_planted_slow_stage(tiny_ensemble, 
     assert segment_module.segment_scenes(scenes, slow, tmp_path / "b", options, clock=clock) == 0
     assert clock.bound_by() == "model" and clock.seconds["model"] >= 0.2
     assert clock.line().endswith("— bound by: model") and clock.line().startswith("stages: read ")
+
+
+def test_the_bound_is_the_stage_whose_busiest_thread_spent_the_most():
+    """CPU. Would catch: the bound judged by seconds summed over threads: four readers of 0.6 s
+    each (2.4 s summed) named over one writer busy 2.0 s, which the main thread waited for."""
+    clock = StageClock()
+    readers = [threading.Thread(target=clock.add, args=("read", 0.6)) for _ in range(4)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    clock.add("write", 2.0)
+    assert clock.seconds["read"] == pytest.approx(2.4) and clock.bound_by() == "write"
+    clock.add("read", 1.5)  # this thread: now 1.5 s of reads, with its 2.0 s of writes
+    assert clock.bound_by() == "write"
+    clock.add("read", 0.6)
+    assert clock.bound_by() == "read"
 
 
 def test_the_stage_line_reads_as_documented():
