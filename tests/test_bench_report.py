@@ -39,6 +39,7 @@ def run_report(tmp_path, *options: str) -> tuple[str, str]:
     return out.read_text(), result.stdout
 
 
+@pytest.mark.slow  # 80-95 s each on 2 cores: `make test-all`; the GPU plan's arguments are parsed below in make test
 @pytest.mark.parametrize("parts", [("training", "memory"), ("segment", "epoch", "predict")])
 def test_every_part_runs_end_to_end_at_toy_sizes(parts, tmp_path):
     """Each part's commands, on the CPU beside the fake GPU, at toy sizes: every command exits 0, and
