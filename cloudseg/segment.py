@@ -320,7 +320,7 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         rows = blended_rows(scene, ensemble, options.tile, options.overlap, clock)
         thresholds = ensemble.config.predict.threshold
         if isinstance(scene, geo.GeoTiffScene):
-            close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, writer)
+            close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, writer=writer)
         else:
             close = map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
         when = geo.scene_time(path, scene.tags, options.time_pattern)
@@ -365,7 +365,7 @@ class Writer:
         self.pool.shutdown()
 
 
-def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions,
+def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions, *,
                 writer: Writer):
     """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands`) and write the outputs of
     `options` into the GeoTIFF `out` as they come, in `writer`'s thread while the model works on the

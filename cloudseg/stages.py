@@ -49,7 +49,8 @@ class StageClock:
     def bound_by(self) -> str | None:
         """The busiest stage: the one that, made faster, would make the run faster (threads
         overlap the others with it), judged by the thread that spent the most time in it: four
-        reader threads busy 0.6 s each bound a run less than one writer busy 2 s. None before any
+        reader threads busy 0.6 s each bound a run less than one writer busy 2 s (a thread started
+        after another ended may reuse its ident: one lane, one after the other). None before any
         stage ran."""
         busiest = collections.Counter()
         for (stage, _), seconds in self.per_thread.items():

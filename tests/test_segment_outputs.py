@@ -132,8 +132,13 @@ def test_the_stage_line_adds_up_and_names_the_planted_slow_stage(tiny_ensemble, 
 def test_the_bound_is_the_stage_whose_busiest_thread_spent_the_most():
     """CPU. Would catch: the bound judged by seconds summed over threads: four readers of 0.6 s
     each (2.4 s summed) named over one writer busy 2.0 s, which the main thread waited for."""
-    clock = StageClock()
-    readers = [threading.Thread(target=clock.add, args=("read", 0.6)) for _ in range(4)]
+    clock, together = StageClock(), threading.Barrier(4)  # alive at once: no thread's ident reused by the next
+
+    def read():
+        clock.add("read", 0.6)
+        together.wait()
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
     for reader in readers:
         reader.start()
     for reader in readers:
