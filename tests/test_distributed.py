@@ -107,6 +107,7 @@ def test_two_processes_train_the_same_parameters_and_statistics_as_one(data_copy
     assert {"best.pt", "oof.npz", "config.yaml"} <= {p.name for p in (tmp_path / "two").iterdir()}
 
 
+@pytest.mark.slow  # 65 s on 2 cores, as the SWA test below: make test-all (make test keeps the main comparison)
 def test_two_processes_measure_the_ema_s_batchnorm_statistics_as_one(data_copy, tmp_path):
     """train.ema measures the average's statistics again before each validation, its 9 training
     micro-batches shared by two processes (5 and 4) and pooled. Would catch: each rank keeping
@@ -122,6 +123,7 @@ def test_two_processes_measure_the_ema_s_batchnorm_statistics_as_one(data_copy, 
         torch.testing.assert_close(two[name], one[name], rtol=1e-9, atol=1e-12, msg=named(name))
 
 
+@pytest.mark.slow
 def test_swa_after_two_processes_is_the_swa_after_one(data_copy, tmp_path):
     """train.swa=2 under torchrun: rank 0 averages the epochs the processes trained together and
     measures BatchNorm again in one process, so best.pt equals the one-process run's. Would
