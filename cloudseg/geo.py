@@ -268,10 +268,11 @@ DEFAULT_OUTPUTS = ("probs", "masks")  # the eight bands `output_bands` makes, wr
 CODECS = {"deflate": dict(compress="deflate", zlevel=1), "zstd": dict(compress="zstd", zstd_level=1),
           "lerc": dict(compress="lerc", max_z_error=0), "none": dict(compress="none")}
 WRITE_THREADS = "ALL_CPUS"  # GDAL's compression threads (NUM_THREADS): blocks compressed in parallel
-# Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel: deflate then sees one
-# smooth band at a time and GDAL skips the interleaving copy. Eight 2800x9000 bands of smooth
-# probabilities and their masks, deflate, 2 cores: 0.66 s and 42 MB against 0.98 s and 120 MB
-# (1 thread: 1.08 s against 1.76). The H100 of 2026-11-26 found segment bound by its writes.
+# Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel (a COG keeps its driver's
+# default): deflate then sees one smooth band at a time and GDAL skips the interleaving copy. Eight
+# 2800x9000 bands of smooth probabilities and their masks, deflate, 2 cores: 0.66 s and 42 MB
+# against 0.98 s and 120 MB (1 thread: 1.08 s against 1.76). The H100 of 2026-11-26 found segment
+# bound by its writes.
 INTERLEAVE = "band"
 
 
@@ -321,10 +322,10 @@ def check_codec(compress: str) -> None:
 def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = DEFAULT_OUTPUTS,
                    compress: str = "deflate", cog: bool = False):
     """A rasterio dataset for `path` with the scene's size, CRS and transform, the uint8 bands of
-    `outputs` (`chosen_bands`), nodata NODATA, each band stored apart (INTERLEAVE), compressed by
-    `compress` (CODECS) in GDAL's threads; written to a temporary file renamed over `path` at the
-    end. With `cog`, the rows go uncompressed to a file of strips, then GDAL's COG driver copies it
-    into a Cloud-Optimized GeoTIFF (COG_OPTIONS)."""
+    `outputs` (`chosen_bands`), nodata NODATA, each band stored apart (INTERLEAVE; not in a COG),
+    compressed by `compress` (CODECS) in GDAL's threads; written to a temporary file renamed over
+    `path` at the end. With `cog`, the rows go uncompressed to a file of strips, then GDAL's COG
+    driver copies it into a Cloud-Optimized GeoTIFF (COG_OPTIONS)."""
     rasterio = geo_module("rasterio")
     names = [name for output in outputs for name in OUTPUTS[output]]
     profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(names), dtype="uint8",

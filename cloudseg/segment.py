@@ -316,6 +316,7 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         return finish
     clock = clock or StageClock()
     with geo.open_scene(path, ensemble.device) as scene:
+        when = geo.scene_time(path, scene.tags, options.time_pattern)  # its error before any work, not after
         counts = SceneCounts(scene, options.grid)
         rows = blended_rows(scene, ensemble, options.tile, options.overlap, clock)
         thresholds = ensemble.config.predict.threshold
@@ -323,7 +324,6 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
             close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, writer=writer)
         else:
             close = map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
-        when = geo.scene_time(path, scene.tags, options.time_pattern)
 
     def finish() -> dict:
         with clock("write"):

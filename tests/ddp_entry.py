@@ -35,6 +35,7 @@ if arguments[:1] == ["--record-scenes"]:
         return real_segment_scene(path, *args)
     segment.segment_scene = recorded
 if arguments[:1] == ["--memory-probe"]:
+    import concurrent.futures
     import resource
 
     arguments = arguments[1:]
@@ -48,9 +49,10 @@ if arguments[:1] == ["--memory-probe"]:
 
     def probed(path, *args):
         before = peak_mib()
-        record = real_scene(path, *args)
+        finish = real_scene(path, *args)
+        concurrent.futures.wait([finish])  # the scene's finish (in the writer's thread) measured with it
         print(f"peak_rss_mib {path.name} {before} {peak_mib()}", flush=True)
-        return record
+        return finish
 
     segment.load_ensemble = lambda *a, **k: real_load_ensemble(*a, **k)._replace(forwards=[per_pixel])
     segment.segment_scene = probed

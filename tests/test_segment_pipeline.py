@@ -110,10 +110,12 @@ def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_pat
 
 
 def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys):
-    """CPU. Would catch: the scene's temporary GeoTIFF left behind when its reading fails midway
-    (with a slow write of it queued), the error blamed on b, or b not mapped."""
+    """CPU. Would catch: the scene's temporary GeoTIFF still there when its error is reported (left
+    to the garbage collector), the file closed while a queued write of it still runs, the error
+    blamed on b, or b not mapped."""
     _, ensemble = tiny_ensemble
-    read, write = geo.GeoTiffScene.read, geo.write_geotiff_rows
+    read, write, report = geo.GeoTiffScene.read, geo.write_geotiff_rows, segment_module.scene_error
+    closed_while_writing, left_when_reported = [], []
 
     def failing_read(scene, top, left, height, width):
         if scene.path.stem == "a" and top > 150:
@@ -122,10 +124,49 @@ def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, 
 
     def slow_write(out, top, bands):
         time.sleep(0.05)
+        closed_while_writing.append(out.closed)
         write(out, top, bands)
+
+    def reported(path, error):
+        left_when_reported.extend(sorted(p.name for p in (tmp_path / "out").iterdir()))
+        return report(path, error)
 
     monkeypatch.setattr(geo.GeoTiffScene, "read", failing_read)
     monkeypatch.setattr(geo, "write_geotiff_rows", slow_write)
+    monkeypatch.setattr(segment_module, "scene_error", reported)
     assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
     assert capsys.readouterr().err.startswith(f"cloudseg segment: {scenes[0]}")
+    assert left_when_reported == [] and closed_while_writing and not any(closed_while_writing)
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "fractions.csv"]
+
+
+def test_a_failed_last_write_publishes_nothing_of_its_scene(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys):
+    """CPU. Would catch: a finish that closes and renames the file though its last rows failed to
+    be written (a map with missing rows, and its NAME.json, published), or the error lost."""
+    _, ensemble = tiny_ensemble
+    write = geo.write_geotiff_rows
+
+    def failing_last_rows_of_b(out, top, bands):
+        if Path(out.name).name.startswith(".b.tif.") and top + bands.shape[1] == 320:
+            raise OSError(28, "No space left on device")
+        return write(out, top, bands)
+
+    monkeypatch.setattr(geo, "write_geotiff_rows", failing_last_rows_of_b)
+    assert segment_module.segment_scenes(scenes, counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"cloudseg segment: {scenes[1]}") and "No space left" in error[0]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["a.json", "a.tif", "c.json", "c.tif",
+                                                                          "fractions.csv"]
+
+
+def test_a_scene_whose_time_cannot_be_read_fails_before_any_work(tiny_ensemble, tmp_path, capsys):
+    """CPU. Would catch: the scene's time read after its mapping (the model run for nothing, and its
+    file left open to the garbage collector while the writer may still write it)."""
+    _, ensemble = tiny_ensemble
+    (tmp_path / "in").mkdir()
+    bad = write_geotiff(tmp_path / "in" / "a.tif", smooth_scene(320, 230), tags={"TIFFTAG_DATETIME": "2020-01-01 00:00"})
+    calls = []
+    (tmp_path / "out").mkdir()
+    assert segment_module.segment_scenes([bad], counting(ensemble, calls), tmp_path / "out", OPTIONS) == 1
+    assert capsys.readouterr().err.startswith(f"cloudseg segment: {bad}") and calls == []
+    assert list((tmp_path / "out").iterdir()) == []
