@@ -178,6 +178,8 @@ def test_a_failing_process_ends_the_launch_in_one_line_without_torchrun_s_traceb
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 3
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
-    assert result.stderr.count("cloudseg: error: the reason") == 2
+    # Each rank prints it, unless torchrun stops the second when the first has failed before it got
+    # there (seen once in a fresh clone's CI, 2026-11-26: one line, "2 process(es) failed").
+    assert result.stderr.count("cloudseg: error: the reason") in (1, 2)
     assert result.stderr.strip().splitlines()[-1].startswith("torchrun: 2 process(es) failed, first rank ")
     assert result.stderr.strip().endswith("with exit code 3: its error is above")
