@@ -121,8 +121,8 @@ class Rows(dict):
               + (f"; {stages}" if stages else ""), flush=True)
 
 
-def print_table(rows: dict, args, device: torch.device, load: float) -> None:
-    megapixels = args.scenes * args.height * args.width / 1e6
+def print_table(rows: Rows, args, device: torch.device, load: float) -> None:
+    megapixels = rows.megapixels
     print(f"segment speed, {datetime.date.today()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, device {device}"
           f"{f' ({torch.cuda.get_device_name(device)})' if device.type == 'cuda' else ''}, torch {torch.__version__}; "

@@ -330,7 +330,8 @@ def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = D
     names = [name for output in outputs for name in OUTPUTS[output]]
     profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(names), dtype="uint8",
                    crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
-                   interleave=INTERLEAVE, num_threads=WRITE_THREADS, BIGTIFF="IF_SAFER", **CODECS["none" if cog else compress])
+                   interleave=INTERLEAVE, num_threads=WRITE_THREADS, BIGTIFF="IF_SAFER",
+                   **CODECS["none" if cog else compress])
     with atomic_path(path) as tmp:
         strips = new_hidden_file(path) if cog else tmp  # with `cog`, the rows go to a file of strips first
         try:

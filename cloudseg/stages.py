@@ -27,8 +27,7 @@ class StageClock:
     """Seconds per stage, added from any thread (`with clock("model"): ...`)."""
 
     def __init__(self):
-        self.seconds: collections.Counter[str] = collections.Counter()
-        self.per_thread: collections.Counter[tuple[str, int]] = collections.Counter()  # (stage, thread)
+        self.per_thread: collections.Counter[tuple[str, int]] = collections.Counter()  # by (stage, thread)
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -43,8 +42,20 @@ class StageClock:
         if stage not in ORDER and stage not in WAITS:
             raise KeyError(f"{stage!r} is not a stage ({', '.join((*ORDER, *WAITS))})")
         with self.lock:
-            self.seconds[stage] += seconds
             self.per_thread[stage, threading.get_ident()] += seconds
+
+    def timed(self) -> list[tuple[tuple[str, int], float]]:
+        """((stage, thread), seconds) so far, read under the lock (other threads still add)."""
+        with self.lock:
+            return list(self.per_thread.items())
+
+    @property
+    def seconds(self) -> collections.Counter[str]:
+        """Seconds per stage, summed over the threads that ran it."""
+        total = collections.Counter()
+        for (stage, _), seconds in self.timed():
+            total[stage] += seconds
+        return total
 
     def bound_by(self) -> str | None:
         """The busiest stage: the one that, made faster, would make the run faster (threads
@@ -52,20 +63,18 @@ class StageClock:
         reader threads busy 0.6 s each bound a run less than one writer busy 2 s (a thread started
         after another ended may reuse its ident: one lane, one after the other). None before any
         stage ran."""
-        busiest = collections.Counter()
-        for (stage, _), seconds in self.per_thread.items():
-            if stage in ORDER:
-                busiest[stage] = max(busiest[stage], seconds)
-        busy = {stage: busiest[stage] for stage in ORDER if busiest[stage] > 0}
+        timed = self.timed()
+        busiest = {stage: max((seconds for (name, _), seconds in timed if name == stage), default=0) for stage in ORDER}
+        busy = {stage: seconds for stage, seconds in busiest.items() if seconds > 0}
         return max(busy, key=busy.get) if busy else None
 
     def line(self, gpu: bool = False) -> str:
         """E.g. `stages: read 1.2 s · to device 0.1 · model 3.4 · blend 0.8 · encode 0.3 · write 2.1
         (waits: for reads 0.4, for writes 0.2) — bound by: model`; on a GPU encode is named
         "GPU wait, to host, encode" (see the module's docstring)."""
-        names = {"encode": "GPU wait, to host, encode"} if gpu else {}
-        parts = [f"{names.get(stage, stage)} {self.seconds[stage]:.1f}" for stage in ORDER]
-        waits = ", ".join(f"for {what} {self.seconds[stage]:.1f}" for stage, what in WAITS.items())
+        names, seconds = ({"encode": "GPU wait, to host, encode"} if gpu else {}), self.seconds
+        parts = [f"{names.get(stage, stage)} {seconds[stage]:.1f}" for stage in ORDER]
+        waits = ", ".join(f"for {what} {seconds[stage]:.1f}" for stage, what in WAITS.items())
         bound = self.bound_by()
         return (f"stages: {parts[0]} s · {' · '.join(parts[1:])} (waits: {waits}) — bound by: "
                 f"{names.get(bound, bound) if bound else 'nothing timed'}")

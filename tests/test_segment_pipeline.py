@@ -22,7 +22,8 @@ OPTIONS = segment_module.SegmentOptions((64, 96), 0.25)
 def scenes(tmp_path):
     """Three 320×230 GeoTIFF scenes, a.tif, b.tif and c.tif (5 rows of windows each)."""
     (tmp_path / "in").mkdir()
-    return [write_geotiff(tmp_path / "in" / f"{name}.tif", smooth_scene(320, 230, seed)) for seed, name in enumerate("abc")]
+    return [write_geotiff(tmp_path / "in" / f"{name}.tif", smooth_scene(320, 230, seed))
+            for seed, name in enumerate("abc")]
 
 
 def counting(ensemble, calls: list):
@@ -164,7 +165,8 @@ def test_a_scene_whose_time_cannot_be_read_fails_before_any_work(tiny_ensemble, 
     file left open to the garbage collector while the writer may still write it)."""
     _, ensemble = tiny_ensemble
     (tmp_path / "in").mkdir()
-    bad = write_geotiff(tmp_path / "in" / "a.tif", smooth_scene(320, 230), tags={"TIFFTAG_DATETIME": "2020-01-01 00:00"})
+    bad = write_geotiff(tmp_path / "in" / "a.tif", smooth_scene(320, 230),
+                        tags={"TIFFTAG_DATETIME": "2020-01-01 00:00"})  # not YYYY:MM:DD HH:MM:SS
     calls = []
     (tmp_path / "out").mkdir()
     assert segment_module.segment_scenes([bad], counting(ensemble, calls), tmp_path / "out", OPTIONS) == 1
