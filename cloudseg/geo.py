@@ -264,8 +264,11 @@ BAND_NAMES = [f"{label} probability x254" for label in LABELS] + [f"{label} mask
 CLASS_BITS_NAME = "class bits (" + ", ".join(f"{label} {1 << k}" for k, label in enumerate(LABELS)) + ")"
 OUTPUTS = {"probs": BAND_NAMES[:len(LABELS)], "masks": BAND_NAMES[len(LABELS):], "classbits": [CLASS_BITS_NAME]}
 DEFAULT_OUTPUTS = ("probs", "masks")  # the eight bands `output_bands` makes, written as they are made
-# GDAL creation options of each --compress choice: the fastest level of each codec; LERC lossless
-CODECS = {"deflate": dict(compress="deflate", zlevel=1), "zstd": dict(compress="zstd", zstd_level=1),
+# GDAL creation options of each --compress choice: the fastest level of each codec; LERC lossless.
+# Deflate with horizontal differencing (PREDICTOR=2, baseline TIFF: every deflate reader undoes it):
+# segment's eight bands of a 4200x9000 map, 2 cores, 26% smaller (56 against 76 MB) in the same time
+# (1.10 against 1.12 s); ZSTD, the speed choice, stays without it (13% slower with it).
+CODECS = {"deflate": dict(compress="deflate", zlevel=1, predictor=2), "zstd": dict(compress="zstd", zstd_level=1),
           "lerc": dict(compress="lerc", max_z_error=0), "none": dict(compress="none")}
 WRITE_THREADS = "ALL_CPUS"  # GDAL's compression threads (NUM_THREADS): blocks compressed in parallel
 # Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel (a COG keeps its driver's
@@ -340,7 +343,8 @@ def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = D
                     out.set_band_description(band, name)
                 yield out
             if cog:
-                geo_module("rasterio.shutil").copy(strips, tmp, driver="COG", NUM_THREADS=WRITE_THREADS, **COG_OPTIONS, **COG_CODECS[compress])
+                geo_module("rasterio.shutil").copy(strips, tmp, driver="COG", NUM_THREADS=WRITE_THREADS,
+                                                   **COG_OPTIONS, **COG_CODECS[compress])
         finally:
             if cog:
                 strips.unlink(missing_ok=True)
@@ -349,7 +353,7 @@ def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = D
 # GDAL's COG driver: 512×512 tiles, overviews, the header first (HTTP range reads from object
 # storage). Overviews by nearest neighbour: masks, class bits and NODATA stay what they are at each level.
 COG_OPTIONS = dict(BLOCKSIZE=512, OVERVIEWS="AUTO", RESAMPLING="NEAREST", BIGTIFF="IF_SAFER")
-COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1), "zstd": dict(COMPRESS="ZSTD", LEVEL=1),
+COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1, PREDICTOR="YES"), "zstd": dict(COMPRESS="ZSTD", LEVEL=1),
               "lerc": dict(COMPRESS="LERC", MAX_Z_ERROR=0), "none": dict(COMPRESS="NONE")}
 
 
