@@ -9,7 +9,8 @@ with its process group at that limit, and keeps what it printed by then):
              with 4-flip TTA, loading; its JSON feeds the epoch part
   memory     `cloudseg memory --limit-gb 6` and `8` (configs/fullres.yaml): real steps under each
              cap, what checkpointing auto picks there and its peak
-  segment    benchmarks/segment_speed.py: rows a-f and the fixed cost of a call
+  segment    benchmarks/segment_speed.py: rows a-f on two 7000x18000 scenes (as on 2026-11-26),
+             the writes alone (one file at a time and both at once) and the fixed cost of a call
   epoch      `cloudseg train` end to end on synthetic full-size data (2 epochs): the second epoch's
              images/s against the compiled step's
   predict    `cloudseg predict` with 4-flip TTA on that run's Kaggle-size test images, end to end
@@ -77,7 +78,7 @@ class Sizes:
 
 
 FULL = Sizes(training=["--steps", "4", "--warmup", "2"],
-             segment=["--tile", "1400", "2100", "--height", "7000", "--width", "18000", "--scenes", "1",
+             segment=["--tile", "1400", "2100", "--height", "7000", "--width", "18000", "--scenes", "2",
                       "--repeat", "1", "--config", "configs/fullres.yaml"],
              synth=["--n-train", "160", "--n-test", "32"],  # Kaggle's 1400x2100: synth's default size
              train=["configs/fullres.yaml", "model.encoder_weights=null", "train.epochs=2", "data.num_workers=8"],

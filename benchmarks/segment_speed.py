@@ -29,18 +29,26 @@ predict.compile=auto does for a large job); wall-clock, so other processes on th
 megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
 the same model (a for b, c; d for e, f).
 
+Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
+them on a GPU (`geo.geotiff_writer`, a row of windows at a time, GDAL's cache capped), with
+deflate (the default, with its predictor), deflate without the predictor, and ZSTD, one file
+after another in one thread, then every scene's file at once in a thread each. What the writer
+alone allows segment where its stage line says `bound by: write`, and whether files written in
+parallel would raise it.
+
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
 processes on one window-sized scene (imports, loading; no compiling: auto does not compile for
 one scene), the imports alone, and on CUDA two calls that compile (predict.compile=true), the
 second taking its compile from inductor's cache.
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
-       --batch B --config FILE --device D --no-fixed-cost]
+       --batch B --config FILE --device D --no-writes --no-fixed-cost]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -50,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import rasterio
@@ -57,6 +66,7 @@ import torch
 from rasterio.transform import from_origin
 from rasterio.windows import Window
 
+from cloudseg import geo
 from cloudseg.checkpoint import save_checkpoint
 from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
@@ -64,7 +74,7 @@ from cloudseg.geo import GDAL_CACHE_MB, write_rgb_geotiff
 from cloudseg.hardware import resolve_device
 from cloudseg.model import build_model
 from cloudseg.predict import load_ensemble, load_model, predict_probs
-from cloudseg.segment import SegmentOptions, segment, segment_scenes
+from cloudseg.segment import OVERLAP, SegmentOptions, segment, segment_scenes
 from cloudseg.stages import StageClock
 
 
@@ -90,14 +100,20 @@ def main() -> None:
         for letters, name, forward in (("abc", "", model), ("def", ", no model", Constant())):
             rows[f"{letters[0]}. naive loop{name} (batch 1, no overlap)"] = timed(
                 lambda out, forward=forward: naive(scenes, forward, args.tile, device, out),
-                lambda out, forward=forward: naive([warm], forward, args.tile, device, out), folder, args.repeat)
+                lambda out, forward=forward: naive([warm], forward, args.tile, device, out), folder / letters[0],
+                args.repeat)
             for letter, overlap in zip(letters[1:], (0.0, 0.25)):
                 run = lambda out, paths, overlap=overlap, forward=forward: run_segment(  # noqa: E731
                     paths, checkpoint, out, args, overlap, device, None if forward is model else forward)
                 rows[f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})"] = timed(
-                    lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder, args.repeat)
+                    lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder / letter,
+                    args.repeat)
+        written = sorted((folder / "c" / "run0").glob("*.tif"))  # row c's maps: the model's, blended
+        writes = writes_alone(written, round(args.tile[0] * (1 - OVERLAP)), args.repeat) if args.writes else None
         fixed = fixed_cost(warm, checkpoint, folder, args) if args.fixed_cost else None
     print_table(rows, args, device, load)
+    if writes:
+        print_writes(writes, rows.megapixels, len(written))
     if fixed:
         print(f"\nfixed cost of a call (cloudseg segment in a new process, one {args.tile[0] * 2}x{args.tile[1] * 2} "
               f"scene): {fixed[0]:.1f} s, a second call {fixed[1]:.1f} s; of which imports {fixed[2]:.1f} s")
@@ -155,6 +171,8 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=4, help="windows per batch of rows b and c")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is shown")
     parser.add_argument("--config", default="configs/demo.yaml", help="the model's architecture")
+    parser.add_argument("--writes", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time row c's maps written again alone, one file at a time and all at once")
     parser.add_argument("--fixed-cost", action=argparse.BooleanOptionalAction, default=True,
                         help="also time two `cloudseg segment` calls in new processes")
     add_device_option(parser, "the scenes are mapped")
@@ -181,12 +199,13 @@ def write_scene(path: Path, height: int, width: int, seed: int) -> Path:
 
 def timed(run, warm_up, folder: Path, repeat: int) -> tuple[float, float, str | None]:
     """(wall-clock, CPU seconds of this process's threads, the stage line or None) of the fastest
-    of `repeat` runs of `run` (which returns its stage line or None), each after `warm_up`."""
+    of `repeat` runs of `run` (which returns its stage line or None), each after `warm_up`; run k
+    writes into folder/runK."""
     times = []
-    for _ in range(repeat):
-        warm_up(folder / f"warm{time.monotonic_ns()}")
+    for index in range(repeat):
+        warm_up(folder / f"warm{index}")
         start, cpu = time.perf_counter(), time.process_time()
-        stages = run(folder / f"out{time.monotonic_ns()}")
+        stages = run(folder / f"run{index}")
         times.append((time.perf_counter() - start, time.process_time() - cpu, stages))
     return min(times, key=lambda row: row[0])
 
@@ -227,6 +246,64 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
                                 clock=clock)
     assert failed == 0
     return clock.line(gpu=device.type == "cuda")
+
+
+# The codecs of the writes-alone table: segment's deflate (with its predictor), the same without
+# the predictor (an entry of geo.CODECS added for this script alone, for the comparison), and ZSTD.
+WRITE_CODECS = {"deflate": "deflate", "deflate, no predictor": "deflate-plain", "zstd": "zstd"}
+geo.CODECS.setdefault("deflate-plain", {key: value for key, value in geo.CODECS["deflate"].items()
+                                        if key != "predictor"})
+
+
+def writes_alone(maps: list[Path], rows: int, repeat: int) -> dict[tuple[str, int], tuple[float, float, float]]:
+    """Segment's writes without the rest of it: the bands of `maps` (row c's GeoTIFFs) written
+    again as segment writes them (`geo.geotiff_writer`, `rows` rows at a time, GDAL's cache capped
+    as segment caps it), for each of WRITE_CODECS one file after another in one thread, then every
+    file at once, a thread each. {(codec, files at once): (seconds, CPU s, MB)}, the fastest of
+    `repeat`; each file is read back and must equal its map. What the writer alone allows
+    segment, and whether writing several files at once would raise it."""
+    bands, scenes = [], []
+    for path in maps:
+        with rasterio.open(path) as source:
+            bands.append(source.read())
+            scenes.append(SimpleNamespace(width=source.width, height=source.height, crs=source.crs,
+                                          transform=source.transform))
+
+    def write(index: int, codec: str, out: Path) -> Path:
+        with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
+            for top in range(0, scenes[index].height, rows):
+                geo.write_geotiff_rows(written, top, bands[index][:, top:top + rows])
+        return out / maps[index].name
+
+    results = {}
+    with tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
+        for name, codec in WRITE_CODECS.items():
+            for at_once in sorted({1, len(maps)}):
+                times = []
+                for run in range(repeat):
+                    out = Path(folder) / f"{codec}-{at_once}-{run}"
+                    out.mkdir()
+                    start, cpu = time.perf_counter(), time.process_time()
+                    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+                        paths = list(pool.map(lambda index: write(index, codec, out), range(len(maps))))
+                    times.append((time.perf_counter() - start, time.process_time() - cpu,
+                                  sum(path.stat().st_size for path in paths) / 1e6))
+                    for path, expected in zip(paths, bands):
+                        with rasterio.open(path) as check:
+                            assert np.array_equal(check.read(), expected), f"{path}: not the map's bands"
+                results[name, at_once] = min(times)
+                print(f"  measured writes alone, {name}, {at_once} at once: {results[name, at_once][0]:.2f} s",
+                      flush=True)
+    return results
+
+
+def print_writes(writes, megapixels: float, files: int) -> None:
+    print(f"\nWrites alone (row c's {files} maps written again as segment writes them; the fastest run; "
+          "CPU s: this process's threads, GDAL's included):\n")
+    print("| codec | files at once | seconds | CPU s | megapixels/s | MB |")
+    print("|---|---|---|---|---|---|")
+    for (name, at_once), (seconds, cpu, size) in writes.items():
+        print(f"| {name} | {at_once} | {seconds:.2f} | {cpu:.1f} | {megapixels / seconds:.1f} | {size:.1f} |")
 
 
 def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, ...]:

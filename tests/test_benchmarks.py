@@ -144,7 +144,9 @@ SEGMENT_SPEED = ["benchmarks/segment_speed.py", "--scenes", "1", "--height", "12
 
 def test_segment_benchmark_prints_its_table():
     """Would catch: a row missing, the pipeline without a model among them, a segment row without
-    its stage line (or the naive loop given one it cannot have)."""
+    its stage line (or the naive loop given one it cannot have), the writes-alone table missing a
+    codec or timing files at once that are not there (writes_alone itself checks each file read
+    back against row c's map)."""
     out = run(*SEGMENT_SPEED, "--no-fixed-cost")
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
@@ -154,6 +156,8 @@ def test_segment_benchmark_prints_its_table():
     stages = [line for line in out.splitlines() if "| stages: read " in line]
     assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f."]
     assert all(" — bound by: " in line for line in stages)
+    writes = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
+    assert writes == [["| deflate", "1"], ["| deflate, no predictor", "1"], ["| zstd", "1"]]  # one scene: one file
 
 
 @pytest.mark.slow  # three new processes that import cloudseg: about 45 s on 2 cores
