@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One short GPU window, as one command: `make test-gpu` (cut at TEST_S seconds), then `make bench`
-# in what is left of LIMIT_S, the segment part first. Logs, the report and the GPU's name go to OUT.
+# in what is left of LIMIT_S, the segment part first. Logs, the report, the GPU's name and the
+# profiles of slow tests go to OUT.
 # For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
 #   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210]
@@ -17,7 +18,9 @@ export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="--ignore tests/test_notebooks.py"  # n
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.txt" 2>&1
 python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'smp', smp.__version__)" >>"$OUT/gpu.txt" 2>&1
 
-timeout -k 5 "$TEST_S" make test-gpu PY=python3 STAMP= >"$OUT/test-gpu.log" 2>&1
+# Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow).
+PYTEST_ADDOPTS="$PYTEST_ADDOPTS --profile-slow $OUT/profiles" \
+  timeout -k 5 "$TEST_S" make test-gpu PY=python3 STAMP= >"$OUT/test-gpu.log" 2>&1
 echo "make test-gpu: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/test-gpu.log"
 
 budget=$((LIMIT_S - (SECONDS - start) - 20))

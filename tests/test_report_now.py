@@ -55,3 +55,35 @@ def test_the_control_without_the_plugin_a_cut_run_loses_the_reason(tmp_path):
     """The same run without the plugin: the reason is lost. Shows that the test above can fail."""
     out = output_when_cut(tmp_path)
     assert "planted failure" not in out, out
+
+
+PROFILED = '''
+import time
+
+def test_slow():
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        spin_here()
+
+def spin_here():
+    sum(range(1000))
+
+def test_fast():
+    pass
+'''
+
+
+def test_profile_slow_keeps_the_profile_of_the_slow_test_alone(tmp_path):
+    """`--profile-slow DIR` (make test-gpu in benchmarks/gpu_window.sh): the test slower than
+    --profile-slow-s leaves its profile, naming the function it spent its time in; the fast one
+    leaves none. Would catch: no profile written, one per test, or a profile of the wrong phase
+    (the setup, which spins nothing)."""
+    (tmp_path / "test_profiled.py").write_text(PROFILED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.report_now",
+                    "--profile-slow", "profiles", "--profile-slow-s", "0.3", "test_profiled.py"],
+                   cwd=tmp_path, env=env, check=True, capture_output=True)
+    profiles = sorted((tmp_path / "profiles").iterdir())
+    assert [path.name for path in profiles] == ["test_profiled.py_test_slow.txt"]
+    text = profiles[0].read_text()
+    assert text.startswith("test_profiled.py::test_slow: ") and "(spin_here)" in text
