@@ -265,10 +265,11 @@ CLASS_BITS_NAME = "class bits (" + ", ".join(f"{label} {1 << k}" for k, label in
 OUTPUTS = {"probs": BAND_NAMES[:len(LABELS)], "masks": BAND_NAMES[len(LABELS):], "classbits": [CLASS_BITS_NAME]}
 DEFAULT_OUTPUTS = ("probs", "masks")  # the eight bands `output_bands` makes, written as they are made
 # GDAL creation options of each --compress choice: the fastest level of each codec; LERC lossless.
-# Deflate with horizontal differencing (PREDICTOR=2, baseline TIFF: every deflate reader undoes it):
-# segment's eight bands of a 4200x9000 map, 2 cores, 26% smaller (56 against 76 MB) in the same time
-# (1.10 against 1.12 s); ZSTD, the speed choice, stays without it (13% slower with it).
-CODECS = {"deflate": dict(compress="deflate", zlevel=1, predictor=2), "zstd": dict(compress="zstd", zstd_level=1),
+# Deflate and ZSTD difference each row first (PREDICTOR=2, which their readers undo): row c's two
+# 4200x8400 maps of benchmarks/segment_speed.py's writes alone, 2 cores, 2026-11-27: deflate 104
+# against 140 MB, zstd 96 against 154 MB, each within 7% of the time without it.
+CODECS = {"deflate": dict(compress="deflate", zlevel=1, predictor=2),
+          "zstd": dict(compress="zstd", zstd_level=1, predictor=2),
           "lerc": dict(compress="lerc", max_z_error=0), "none": dict(compress="none")}
 WRITE_THREADS = "ALL_CPUS"  # GDAL's compression threads (NUM_THREADS): blocks compressed in parallel
 # Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel (a COG keeps its driver's
@@ -353,7 +354,8 @@ def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = D
 # GDAL's COG driver: 512×512 tiles, overviews, the header first (HTTP range reads from object
 # storage). Overviews by nearest neighbour: masks, class bits and NODATA stay what they are at each level.
 COG_OPTIONS = dict(BLOCKSIZE=512, OVERVIEWS="AUTO", RESAMPLING="NEAREST", BIGTIFF="IF_SAFER")
-COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1, PREDICTOR="YES"), "zstd": dict(COMPRESS="ZSTD", LEVEL=1),
+COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1, PREDICTOR="YES"),
+              "zstd": dict(COMPRESS="ZSTD", LEVEL=1, PREDICTOR="YES"),
               "lerc": dict(COMPRESS="LERC", MAX_Z_ERROR=0), "none": dict(COMPRESS="NONE")}
 
 
