@@ -18,7 +18,8 @@ export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="--ignore tests/test_notebooks.py"  # n
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.txt" 2>&1
 python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'smp', smp.__version__)" >>"$OUT/gpu.txt" 2>&1
 
-# Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow).
+# Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow),
+# the one the time limit cuts too; profiled, the tests' times are somewhat longer than without.
 PYTEST_ADDOPTS="$PYTEST_ADDOPTS --profile-slow $OUT/profiles" \
   timeout -k 5 "$TEST_S" make test-gpu PY=python3 STAMP= >"$OUT/test-gpu.log" 2>&1
 echo "make test-gpu: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/test-gpu.log"

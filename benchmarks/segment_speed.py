@@ -20,8 +20,10 @@ figure means on a GPU).
 
 How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
-the warm-ups, the loads, the first compile and the fixed-cost calls come on top, so allow a few
-minutes (an estimate: the whole command was not timed). This CPU's default sizes: 2-4 minutes.
+`make bench` maps 2 such scenes (rows a-f then about 60 s: the naive loops double), and the
+warm-ups, the loads, the first compile, the writes alone (8 writes of 252 megapixels and 4
+read-backs, not yet timed there) and the fixed-cost calls come on top, so allow a few minutes.
+This CPU's default sizes: 2-4 minutes.
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
 scene, on --device (auto: the GPU where there is one; with CUDA rows b and c compile, as
@@ -31,8 +33,8 @@ the same model (a for b, c; d for e, f).
 
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
 them on a GPU (`geo.geotiff_writer`, a row of windows at a time, GDAL's cache capped), with
-deflate (the default, with its predictor), deflate without the predictor, and ZSTD, one file
-after another in one thread, then every scene's file at once in a thread each. What the writer
+deflate (the default) and ZSTD, each with its predictor and without, one file after another
+in one thread, then every scene's file at once in a thread each. What the writer
 alone allows segment where its stage line says `bound by: write`, and whether files written in
 parallel would raise it.
 
@@ -55,8 +57,10 @@ import os
 import platform
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
+import unittest.mock
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -74,7 +78,7 @@ from cloudseg.geo import GDAL_CACHE_MB, write_rgb_geotiff
 from cloudseg.hardware import resolve_device
 from cloudseg.model import build_model
 from cloudseg.predict import load_ensemble, load_model, predict_probs
-from cloudseg.segment import OVERLAP, SegmentOptions, segment, segment_scenes
+from cloudseg.segment import OVERLAP, SegmentOptions, segment, segment_scenes, window_starts
 from cloudseg.stages import StageClock
 
 
@@ -109,7 +113,7 @@ def main() -> None:
                     lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder / letter,
                     args.repeat)
         written = sorted((folder / "c" / "run0").glob("*.tif"))  # row c's maps: the model's, blended
-        writes = writes_alone(written, round(args.tile[0] * (1 - OVERLAP)), args.repeat) if args.writes else None
+        writes = writes_alone(written, args.tile[0], args.repeat) if args.writes else None
         fixed = fixed_cost(warm, checkpoint, folder, args) if args.fixed_cost else None
     print_table(rows, args, device, load)
     if writes:
@@ -248,20 +252,24 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
     return clock.line(gpu=device.type == "cuda")
 
 
-# The codecs of the writes-alone table: segment's deflate (with its predictor), the same without
-# the predictor (an entry of geo.CODECS added for this script alone, for the comparison), and ZSTD.
-WRITE_CODECS = {"deflate": "deflate", "deflate, no predictor": "deflate-plain", "zstd": "zstd"}
-geo.CODECS.setdefault("deflate-plain", {key: value for key, value in geo.CODECS["deflate"].items()
-                                        if key != "predictor"})
+# The codecs of the writes-alone table: segment's deflate and ZSTD (each with its predictor), and
+# each without it (GDAL options for this comparison only, added to geo.CODECS while it runs).
+WRITE_CODECS = {"deflate": "deflate", "deflate, no predictor": "deflate-plain", "zstd": "zstd",
+                "zstd, no predictor": "zstd-plain"}
+COMPARED_CODECS = {f"{codec}-plain": {key: value for key, value in geo.CODECS[codec].items() if key != "predictor"}
+                   for codec in ("deflate", "zstd")}
 
 
-def writes_alone(maps: list[Path], rows: int, repeat: int) -> dict[tuple[str, int], tuple[float, float, float]]:
+def writes_alone(maps: list[Path], tile_height: int, repeat: int) -> dict[tuple[str, int], tuple[float, float, float]]:
     """Segment's writes without the rest of it: the bands of `maps` (row c's GeoTIFFs) written
-    again as segment writes them (`geo.geotiff_writer`, `rows` rows at a time, GDAL's cache capped
-    as segment caps it), for each of WRITE_CODECS one file after another in one thread, then every
-    file at once, a thread each. {(codec, files at once): (seconds, CPU s, MB)}, the fastest of
-    `repeat`; each file is read back and must equal its map. What the writer alone allows
+    again as segment writes them on a GPU (`geo.geotiff_writer`, a row of windows at a time: the
+    rows above the next row of windows of `tile_height`, GDAL's cache capped as segment caps it),
+    for each of WRITE_CODECS one file after another in one thread, then every file at once, a
+    thread each. {(codec, files at once): (seconds, CPU s, MB)}, the fastest of `repeat`; each
+    file of the first run is read back and must equal its map. What the writer alone allows
     segment, and whether writing several files at once would raise it."""
+    if not maps:
+        raise FileNotFoundError("writes alone: row c wrote no GeoTIFF to write again")
     bands, scenes = [], []
     for path in maps:
         with rasterio.open(path) as source:
@@ -270,13 +278,16 @@ def writes_alone(maps: list[Path], rows: int, repeat: int) -> dict[tuple[str, in
                                           transform=source.transform))
 
     def write(index: int, codec: str, out: Path) -> Path:
+        height = scenes[index].height
+        tops = [*window_starts(height, min(tile_height, height), OVERLAP)[1:], height]  # as blended_rows releases
         with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
-            for top in range(0, scenes[index].height, rows):
-                geo.write_geotiff_rows(written, top, bands[index][:, top:top + rows])
+            for top, bottom in zip([0, *tops], tops):
+                geo.write_geotiff_rows(written, top, bands[index][:, top:bottom])
         return out / maps[index].name
 
     results = {}
-    with tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
+    with (tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB),
+          unittest.mock.patch.dict(geo.CODECS, COMPARED_CODECS)):
         for name, codec in WRITE_CODECS.items():
             for at_once in sorted({1, len(maps)}):
                 times = []
@@ -288,9 +299,10 @@ def writes_alone(maps: list[Path], rows: int, repeat: int) -> dict[tuple[str, in
                         paths = list(pool.map(lambda index: write(index, codec, out), range(len(maps))))
                     times.append((time.perf_counter() - start, time.process_time() - cpu,
                                   sum(path.stat().st_size for path in paths) / 1e6))
-                    for path, expected in zip(paths, bands):
+                    for path, expected in zip(paths if run == 0 else [], bands):
                         with rasterio.open(path) as check:
                             assert np.array_equal(check.read(), expected), f"{path}: not the map's bands"
+                    shutil.rmtree(out)
                 results[name, at_once] = min(times)
                 print(f"  measured writes alone, {name}, {at_once} at once: {results[name, at_once][0]:.2f} s",
                       flush=True)

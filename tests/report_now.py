@@ -1,16 +1,22 @@
 """A pytest plugin, `-p tests.report_now --report-now` (make test-gpu): each test's line (outcome,
 seconds, seconds since the start, and the figures it recorded with pytest's `record_property`) and
-any failure's traceback written the moment its report arrives. pytest itself prints tracebacks at the end of the session, which a machine's time limit
-may never reach: on 2026-11-26 a GPU run cut at six minutes lost its only failure's reason.
+any failure's traceback written the moment its report arrives. pytest itself prints tracebacks at
+the end of the session, which a machine's time limit may never reach: on 2026-11-26 a GPU run cut
+at six minutes lost its only failure's reason.
 
 `--profile-slow DIR`: each test's call runs under cProfile, and a test slower than
-`--profile-slow-s` (default 20) leaves DIR/<test>.txt, its 30 costliest functions by their own
-time and by cumulative time. The mixed-precision GPU epochs took 70 s each on an H100 on
-2026-11-26 for a tiny model; one window's run then says where without a second one."""
+`--profile-slow-s` (default 20) leaves DIR/<test>-<hash>.txt, its 30 costliest functions by their
+own time and by cumulative time, also when the run is killed (SIGTERM) in that test. The
+mixed-precision GPU epochs took 70 s each on an H100 on 2026-11-26 for a tiny model; one window's
+run then says where, without a second one. Profiling slows Python code, so the times of such a
+run are not comparable with others'."""
 
 import cProfile
+import hashlib
+import os
 import pstats
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -51,24 +57,41 @@ class ReportNow:
 
 
 class ProfileSlow:
+    """Profiles each test's call; keeps the slow ones'. A run killed by its time limit (SIGTERM, as
+    `timeout` sends) still keeps the profile of the test it was in, if that one was slow by then."""
+
     def __init__(self, folder: Path, slow_s: float):
-        self.folder, self.slow_s = folder, slow_s
+        self.folder, self.slow_s, self.running = folder.resolve(), slow_s, None  # resolved before any chdir
+        self.pid = os.getpid()  # a forked child (a loader's worker) inherits the handler, not the profile's owner
+        signal.signal(signal.SIGTERM, self.terminated)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
-        profile, start = cProfile.Profile(), time.monotonic()
-        profile.enable()
+        self.running = item.nodeid, time.monotonic(), cProfile.Profile()
+        self.running[2].enable()
         try:
             return (yield)
         finally:
-            profile.disable()
-            seconds = time.monotonic() - start
-            if seconds >= self.slow_s:
-                self.write(item.nodeid, seconds, profile)
+            self.keep_if_slow()
 
-    def write(self, nodeid: str, seconds: float, profile: cProfile.Profile) -> None:
+    def terminated(self, signum, frame):
+        if os.getpid() == self.pid:
+            self.keep_if_slow()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def keep_if_slow(self) -> None:
+        if self.running is None:
+            return
+        (nodeid, start, profile), self.running = self.running, None
+        profile.disable()
+        seconds = time.monotonic() - start
+        if seconds < self.slow_s:
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', nodeid)[-150:]}.txt", "w") as out:
-            out.write(f"{nodeid}: {seconds:.1f} s (the calling thread's functions)\n")
+        digest = hashlib.sha1(nodeid.encode()).hexdigest()[:8]  # two ids may sanitize alike
+        with open(self.folder / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', nodeid)[-120:]}-{digest}.txt", "w") as out:
+            out.write(f"{nodeid}: {seconds:.1f} s (the calling thread's functions; profiled, so slower than "
+                      "without)\n")
             for order in ("tottime", "cumulative"):
                 pstats.Stats(profile, stream=out).sort_stats(order).print_stats(30)

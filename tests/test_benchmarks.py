@@ -147,7 +147,7 @@ def test_segment_benchmark_prints_its_table():
     its stage line (or the naive loop given one it cannot have), the writes-alone table missing a
     codec or timing files at once that are not there (writes_alone itself checks each file read
     back against row c's map)."""
-    out = run(*SEGMENT_SPEED, "--no-fixed-cost")
+    out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost")  # two scenes: two files at once
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
                 "e. cloudseg segment, no model, overlap 0.0 (batch 4)", "f. cloudseg segment, no model, overlap 0.25 (batch 4)"):
@@ -157,7 +157,8 @@ def test_segment_benchmark_prints_its_table():
     assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f."]
     assert all(" — bound by: " in line for line in stages)
     writes = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
-    assert writes == [["| deflate", "1"], ["| deflate, no predictor", "1"], ["| zstd", "1"]]  # one scene: one file
+    assert writes == [[f"| {codec}", at_once] for codec in ("deflate", "deflate, no predictor", "zstd",
+                                                             "zstd, no predictor") for at_once in ("1", "2")]
 
 
 @pytest.mark.slow  # three new processes that import cloudseg: about 45 s on 2 cores

@@ -59,6 +59,7 @@ def test_the_control_without_the_plugin_a_cut_run_loses_the_reason(tmp_path):
 
 PROFILED = '''
 import time
+from pathlib import Path
 
 def test_slow():
     deadline = time.monotonic() + 0.6
@@ -70,20 +71,38 @@ def spin_here():
 
 def test_fast():
     pass
+
+def test_killed_while_slow():
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        spin_until_killed()
+    Path("slow by now").touch()
+    while True:
+        spin_until_killed()
+
+def spin_until_killed():
+    sum(range(1000))
 '''
 
 
-def test_profile_slow_keeps_the_profile_of_the_slow_test_alone(tmp_path):
-    """`--profile-slow DIR` (make test-gpu in benchmarks/gpu_window.sh): the test slower than
-    --profile-slow-s leaves its profile, naming the function it spent its time in; the fast one
-    leaves none. Would catch: no profile written, one per test, or a profile of the wrong phase
-    (the setup, which spins nothing)."""
+def test_profile_slow_keeps_the_profile_of_slow_tests_alone_even_when_killed(tmp_path):
+    """`--profile-slow DIR` (make test-gpu in benchmarks/gpu_window.sh): each test slower than
+    --profile-slow-s leaves its profile, naming the function it spent its time in, also the one a
+    time limit's SIGTERM kills; the fast one leaves none. Would catch: no profile written, one per
+    test, a profile of the wrong phase (the setup, which spins nothing), or the killed test's lost
+    (the cut 70-s test is the one to explain)."""
     (tmp_path / "test_profiled.py").write_text(PROFILED)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.report_now",
-                    "--profile-slow", "profiles", "--profile-slow-s", "0.3", "test_profiled.py"],
-                   cwd=tmp_path, env=env, check=True, capture_output=True)
-    profiles = sorted((tmp_path / "profiles").iterdir())
-    assert [path.name for path in profiles] == ["test_profiled.py_test_slow.txt"]
-    text = profiles[0].read_text()
-    assert text.startswith("test_profiled.py::test_slow: ") and "(spin_here)" in text
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.report_now",
+                            "--profile-slow", "profiles", "--profile-slow-s", "0.3", "test_profiled.py"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "slow by now").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    run.terminate()
+    run.communicate()
+    profiles = {path.name.rsplit("-", 1)[0]: path.read_text() for path in (tmp_path / "profiles").iterdir()}
+    assert sorted(profiles) == ["test_profiled.py_test_killed_while_slow", "test_profiled.py_test_slow"]
+    assert profiles["test_profiled.py_test_slow"].startswith("test_profiled.py::test_slow: ")
+    assert "(spin_here)" in profiles["test_profiled.py_test_slow"]
+    assert "(spin_until_killed)" in profiles["test_profiled.py_test_killed_while_slow"]
