@@ -33,8 +33,8 @@ the same model (a for b, c; d for e, f).
 
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
 them on a GPU (`geo.geotiff_writer`, a row of windows at a time, GDAL's cache capped), with
-deflate (the default) and ZSTD, each with its predictor and without, one file after another
-in one thread, then every scene's file at once in a thread each. What the writer
+deflate (the default) and ZSTD, each also with the horizontal predictor, one file after
+another in one thread, then every scene's file at once in a thread each. What the writer
 alone allows segment where its stage line says `bound by: write`, and whether files written in
 parallel would raise it.
 
@@ -252,12 +252,11 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
     return clock.line(gpu=device.type == "cuda")
 
 
-# The codecs of the writes-alone table: segment's deflate and ZSTD (each with its predictor), and
-# each without it (GDAL options for this comparison only, added to geo.CODECS while it runs).
-WRITE_CODECS = {"deflate": "deflate", "deflate, no predictor": "deflate-plain", "zstd": "zstd",
-                "zstd, no predictor": "zstd-plain"}
-COMPARED_CODECS = {f"{codec}-plain": {key: value for key, value in geo.CODECS[codec].items() if key != "predictor"}
-                   for codec in ("deflate", "zstd")}
+# The codecs of the writes-alone table: segment's deflate and ZSTD, and each with the horizontal
+# predictor (PREDICTOR=2; GDAL options for this comparison only, added to geo.CODECS while it runs).
+WRITE_CODECS = {"deflate": "deflate", "deflate, predictor": "deflate-predictor", "zstd": "zstd",
+                "zstd, predictor": "zstd-predictor"}
+COMPARED_CODECS = {f"{codec}-predictor": {**geo.CODECS[codec], "predictor": 2} for codec in ("deflate", "zstd")}
 
 
 def writes_alone(maps: list[Path], tile_height: int, repeat: int) -> dict[tuple[str, int], tuple[float, float, float]]:

@@ -265,11 +265,10 @@ CLASS_BITS_NAME = "class bits (" + ", ".join(f"{label} {1 << k}" for k, label in
 OUTPUTS = {"probs": BAND_NAMES[:len(LABELS)], "masks": BAND_NAMES[len(LABELS):], "classbits": [CLASS_BITS_NAME]}
 DEFAULT_OUTPUTS = ("probs", "masks")  # the eight bands `output_bands` makes, written as they are made
 # GDAL creation options of each --compress choice: the fastest level of each codec; LERC lossless.
-# Deflate and ZSTD difference each row first (PREDICTOR=2, which their readers undo): row c's two
-# 4200x8400 maps of benchmarks/segment_speed.py's writes alone, 2 cores, 2026-11-27: deflate 104
-# against 140 MB, zstd 96 against 154 MB, each within 7% of the time without it.
-CODECS = {"deflate": dict(compress="deflate", zlevel=1, predictor=2),
-          "zstd": dict(compress="zstd", zstd_level=1, predictor=2),
+# No predictor: PREDICTOR=2 made row c's maps of benchmarks/segment_speed.py's writes alone 26-37%
+# smaller in about the same time (2 cores, 2026-11-27), but with it one fresh-clone run of the COG
+# test read other pixels than the plain map's (not reproduced in 20 runs): left out until explained.
+CODECS = {"deflate": dict(compress="deflate", zlevel=1), "zstd": dict(compress="zstd", zstd_level=1),
           "lerc": dict(compress="lerc", max_z_error=0), "none": dict(compress="none")}
 WRITE_THREADS = "ALL_CPUS"  # GDAL's compression threads (NUM_THREADS): blocks compressed in parallel
 # Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel (a COG keeps its driver's
@@ -354,8 +353,7 @@ def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = D
 # GDAL's COG driver: 512×512 tiles, overviews, the header first (HTTP range reads from object
 # storage). Overviews by nearest neighbour: masks, class bits and NODATA stay what they are at each level.
 COG_OPTIONS = dict(BLOCKSIZE=512, OVERVIEWS="AUTO", RESAMPLING="NEAREST", BIGTIFF="IF_SAFER")
-COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1, PREDICTOR="YES"),
-              "zstd": dict(COMPRESS="ZSTD", LEVEL=1, PREDICTOR="YES"),
+COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1), "zstd": dict(COMPRESS="ZSTD", LEVEL=1),
               "lerc": dict(COMPRESS="LERC", MAX_Z_ERROR=0), "none": dict(COMPRESS="NONE")}
 
 

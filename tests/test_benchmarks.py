@@ -157,8 +157,8 @@ def test_segment_benchmark_prints_its_table():
     assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f."]
     assert all(" — bound by: " in line for line in stages)
     writes = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
-    assert writes == [[f"| {codec}", at_once] for codec in ("deflate", "deflate, no predictor", "zstd",
-                                                             "zstd, no predictor") for at_once in ("1", "2")]
+    assert writes == [[f"| {codec}", at_once] for codec in ("deflate", "deflate, predictor", "zstd",
+                                                             "zstd, predictor") for at_once in ("1", "2")]
 
 
 @pytest.mark.slow  # three new processes that import cloudseg: about 45 s on 2 cores
