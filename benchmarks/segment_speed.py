@@ -21,7 +21,7 @@ figure means on a GPU).
 How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
 `make bench` maps 2 such scenes (rows a-f then about 60 s: the naive loops double), and the
-warm-ups, the loads, the first compile, the writes alone (8 writes of 252 megapixels and 4
+warm-ups, the loads, the first compile, the writes alone (8 writes of the 252 megapixels and 8
 read-backs, not yet timed there) and the fixed-cost calls come on top, so allow a few minutes.
 This CPU's default sizes: 2-4 minutes.
 
@@ -55,9 +55,9 @@ import datetime
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 import unittest.mock
@@ -78,7 +78,7 @@ from cloudseg.geo import GDAL_CACHE_MB, write_rgb_geotiff
 from cloudseg.hardware import resolve_device
 from cloudseg.model import build_model
 from cloudseg.predict import load_ensemble, load_model, predict_probs
-from cloudseg.segment import OVERLAP, SegmentOptions, segment, segment_scenes, window_starts
+from cloudseg.segment import OVERLAP, SegmentOptions, segment, segment_scenes, tiling
 from cloudseg.stages import StageClock
 
 
@@ -113,7 +113,7 @@ def main() -> None:
                     lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder / letter,
                     args.repeat)
         written = sorted((folder / "c" / "run0").glob("*.tif"))  # row c's maps: the model's, blended
-        writes = writes_alone(written, args.tile[0], args.repeat) if args.writes else None
+        writes = writes_alone(written, tuple(args.tile), args.repeat) if args.writes else None
         fixed = fixed_cost(warm, checkpoint, folder, args) if args.fixed_cost else None
     print_table(rows, args, device, load)
     if writes:
@@ -259,10 +259,11 @@ WRITE_CODECS = {"deflate": "deflate", "deflate, predictor": "deflate-predictor",
 COMPARED_CODECS = {f"{codec}-predictor": {**geo.CODECS[codec], "predictor": 2} for codec in ("deflate", "zstd")}
 
 
-def writes_alone(maps: list[Path], tile_height: int, repeat: int) -> dict[tuple[str, int], tuple[float, float, float]]:
+def writes_alone(maps: list[Path], tile: tuple[int, int],
+                 repeat: int) -> dict[tuple[str, int], tuple[float, float, float]]:
     """Segment's writes without the rest of it: the bands of `maps` (row c's GeoTIFFs) written
     again as segment writes them on a GPU (`geo.geotiff_writer`, a row of windows at a time: the
-    rows above the next row of windows of `tile_height`, GDAL's cache capped as segment caps it),
+    rows above the next row of windows of `tile`, GDAL's cache capped as segment caps it),
     for each of WRITE_CODECS one file after another in one thread, then every file at once, a
     thread each. {(codec, files at once): (seconds, CPU s, MB)}, the fastest of `repeat`; each
     file of the first run is read back and must equal its map. What the writer alone allows
@@ -278,7 +279,7 @@ def writes_alone(maps: list[Path], tile_height: int, repeat: int) -> dict[tuple[
 
     def write(index: int, codec: str, out: Path) -> Path:
         height = scenes[index].height
-        tops = [*window_starts(height, min(tile_height, height), OVERLAP)[1:], height]  # as blended_rows releases
+        tops = [*tiling(height, scenes[index].width, tile, OVERLAP).tops[1:], height]  # as blended_rows releases
         with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
             for top, bottom in zip([0, *tops], tops):
                 geo.write_geotiff_rows(written, top, bands[index][:, top:bottom])

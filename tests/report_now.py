@@ -63,7 +63,7 @@ class ProfileSlow:
     def __init__(self, folder: Path, slow_s: float):
         self.folder, self.slow_s, self.running = folder.resolve(), slow_s, None  # resolved before any chdir
         self.pid = os.getpid()  # a forked child (a loader's worker) inherits the handler, not the profile's owner
-        signal.signal(signal.SIGTERM, self.terminated)
+        self.previous = signal.signal(signal.SIGTERM, self.terminated) or signal.SIG_DFL  # None: set outside Python
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
@@ -77,7 +77,7 @@ class ProfileSlow:
     def terminated(self, signum, frame):
         if os.getpid() == self.pid:
             self.keep_if_slow()
-        signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signum, self.previous)  # then whatever SIGTERM did before: by default, the end
         os.kill(os.getpid(), signum)
 
     def keep_if_slow(self) -> None:
