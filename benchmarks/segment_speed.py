@@ -281,8 +281,9 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
         height = scenes[index].height
         tops = [*tiling(height, scenes[index].width, tile, OVERLAP).tops[1:], height]  # as blended_rows releases
         with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
+            strips = geo.WholeStrips(written, height)
             for top, bottom in zip([0, *tops], tops):
-                geo.write_geotiff_rows(written, top, bands[index][:, top:bottom])
+                strips.write(top, bands[index][:, top:bottom])
         return out / maps[index].name
 
     results = {}

@@ -381,12 +381,17 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
             with clock("encode"):
                 bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
             with clock("write"):
-                geo.write_geotiff_rows(written, top, geo.chosen_bands(bands, options.outputs))
+                strips.write(top, geo.chosen_bands(bands, options.outputs))
                 counts.add(top, bands, pixel_counts)
         except BaseException as error:  # noqa: BLE001 -- kept for the scene: raised by close() or the mapping
             failed.append(error)
 
     def close():
+        if not failed:
+            try:
+                strips.check_complete()
+            except RuntimeError as error:
+                failed.append(error)
         if failed:
             removed(failed[0])
         output.close()
@@ -397,6 +402,7 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
 
     output = contextlib.ExitStack()
     written = output.enter_context(geo.geotiff_writer(out, scene, options.outputs, options.compress, options.cog))
+    strips = geo.WholeStrips(written, scene.height)
     try:
         for top, probs, valid in rows:
             if failed:

@@ -87,6 +87,60 @@ def test_cog_is_a_cloud_optimized_geotiff_with_the_same_bands(tiny_ensemble, tmp
     assert not list((tmp_path / "cog").glob(".*"))  # no file of strips left behind
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_strips_write_every_row_once_in_whole_strips(monkeypatch, seed):
+    """CPU. Would catch: releases written as they come (a strip written in part), held rows lost or
+    written twice, rows of a strip held as a view of the caller's array (the caller overwrites it
+    after each call here), or the scene's last, shorter strip held back."""
+    strip, height = geo.OUTPUT_STRIP_ROWS, 150  # 150 = 9 strips of 16 and 6 rows
+    rows = np.random.default_rng(seed).integers(0, 256, (2, height, 7), dtype=np.uint8)
+    cuts = np.sort(np.random.default_rng(seed + 100).choice(np.arange(1, height), 9, replace=False))
+    written = []
+    monkeypatch.setattr(geo, "write_geotiff_rows", lambda out, top, bands: written.append((top, bands.copy())))
+    strips = geo.WholeStrips(None, height)
+    for top, end in zip([0, *cuts], [*cuts, height]):
+        released = rows[:, top:end].copy()
+        strips.write(top, released)
+        released[:] = 0  # the caller's buffer, reused
+    strips.check_complete()
+    assert all(top % strip == 0 for top, _ in written)
+    assert all(bands.shape[1] % strip == 0 or top + bands.shape[1] == height for top, bands in written)
+    assert [top for top, _ in written] == sorted({top for top, _ in written})  # in order, each once
+    assert np.array_equal(np.concatenate([bands for _, bands in written], axis=1), rows)
+
+
+def test_whole_strips_refuse_rows_out_of_order_and_tell_rows_never_written(monkeypatch):
+    """CPU. Would catch: rows accepted out of order (a map with rows shifted), or a file finished
+    though its last rows never came (held, or never released)."""
+    monkeypatch.setattr(geo, "write_geotiff_rows", lambda out, top, bands: None)
+    strips = geo.WholeStrips(None, 40)
+    strips.write(0, np.zeros((1, 20, 3), np.uint8))
+    with pytest.raises(ValueError, match="rows from 24: expected row 20"):
+        strips.write(24, np.zeros((1, 16, 3), np.uint8))
+    with pytest.raises(RuntimeError, match="rows 16 to 40 of the output were never written"):
+        strips.check_complete()
+
+
+def test_a_tiling_off_the_strips_maps_the_same_bands_as_writing_each_release(tiny_ensemble, scene_dir, tmp_path,
+                                                                           monkeypatch):
+    """CPU. Windows 60x90 at overlap 0.25 release rows from 45, 90, ... (no multiple of the 16-row
+    strips). Would catch: rows held for a strip written out of place or never, against the bands
+    of each release written as it comes."""
+    checkpoint, _ = tiny_ensemble
+    tops = []
+    write = geo.write_geotiff_rows
+    monkeypatch.setattr(geo, "write_geotiff_rows", lambda out, top, bands: (tops.append(top), write(out, top, bands)))
+    whole, _ = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "whole", "--tile", 60, 90)
+    assert tops and all(top % geo.OUTPUT_STRIP_ROWS == 0 for top in tops)
+    monkeypatch.setattr(geo.WholeStrips, "write", lambda strips, top, bands: geo.write_geotiff_rows(strips.out, top,
+                                                                                                      bands))
+    monkeypatch.setattr(geo.WholeStrips, "check_complete", lambda strips: None)
+    tops.clear()
+    each, _ = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "each", "--tile", 60, 90)
+    assert any(top % geo.OUTPUT_STRIP_ROWS for top in tops)  # the releases were off the strips
+    assert np.array_equal(whole, each)
+
+
 def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene_dir, tmp_path, monkeypatch, capsys):
     """CPU. Would catch: an unknown output or codec silently ignored (GDAL only warns and writes
     uncompressed), a traceback, or work done before the error."""
