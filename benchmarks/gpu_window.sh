@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One short GPU window, as one command: `make test-gpu` (cut at TEST_S seconds), then `make bench`
-# in what is left of LIMIT_S, the segment part first. Logs, the report, the GPU's name and the
-# profiles of slow tests go to OUT.
+# in what is left of LIMIT_S, the segment part first; between them benchmarks/import_time.py. Logs, the
+# report, the GPU's name and the profiles of slow tests go to OUT.
 # For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
 #   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210]
@@ -11,11 +11,14 @@ TEST_S=${2:-210}
 mkdir -p "${OUT:=bench/window}" bench && OUT=$(cd "$OUT" && pwd)
 start=$SECONDS
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  # compiled at install (pip's default), as a user's are: each new process of the fixed-cost and import rows
+  # would otherwise compile them again where Python may not write its bytecode cache
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PWD:/tmp/site
 fi
 export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="--ignore tests/test_notebooks.py"  # nbformat may be absent
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.txt" 2>&1
+echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset}" >>"$OUT/gpu.txt"
 python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'smp', smp.__version__)" >>"$OUT/gpu.txt" 2>&1
 
 # Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow),
@@ -23,6 +26,10 @@ python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', tor
 PYTEST_ADDOPTS="$PYTEST_ADDOPTS --profile-slow $OUT/profiles" \
   timeout -k 5 "$TEST_S" make test-gpu PY=python3 STAMP= >"$OUT/test-gpu.log" 2>&1
 echo "make test-gpu: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/test-gpu.log"
+
+# Where a command's import time goes on this machine (the fixed cost of a one-scene segment call).
+timeout -k 5 120 python3 benchmarks/import_time.py --repeat 1 >"$OUT/imports.log" 2>&1
+echo "import_time: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/imports.log"
 
 budget=$((LIMIT_S - (SECONDS - start) - 20))
 make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts segment training memory epoch predict" \

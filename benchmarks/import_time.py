@@ -6,6 +6,9 @@ modules of `segment`, `predict` and `train` imported, and with --scene and --che
 fastest of --repeat by CPU seconds), its CPU seconds (what other processes on the machine
 change least), and -X importtime's cumulative time of the row's module; then the heavy
 modules the process loaded that a command imports only where it uses them (tests/test_imports.py).
+Below the table, each row's largest top-level packages by -X importtime's cumulative time (a
+package's own imports included, so a package imported by another counts in both): where the
+imports' seconds go on a machine this script cannot be watched on.
 With --baseline DIR (another checkout, e.g. `git worktree add /tmp/base COMMIT`) each row runs
 there too, alternating with this checkout, so both see the same load.
 
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
+LARGEST = 8  # packages named per row below the table
 HEAVY = ("torch", "torch._dynamo", "sklearn", "matplotlib", "albumentations", "tensorboard", "scipy.sparse.csgraph")
 ROWS = {  # row -> (python's arguments, the module whose import time -X importtime gives)
     "cloudseg segment --help": (["-m", "cloudseg", "segment", "--help"], "cloudseg.cli"),
@@ -35,24 +39,26 @@ ROWS = {  # row -> (python's arguments, the module whose import time -X importti
 }
 
 
-def run(checkout: Path, arguments: list[str], module: str) -> tuple[float, float, float, set[str]]:
-    """(wall-clock s, CPU s, module's cumulative import s, heavy modules loaded) of `python -X importtime
-    ARGUMENTS` in a new process on `checkout`."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
+def run(checkout: Path, arguments: list[str], module: str) -> tuple[float, float, float, set[str], dict]:
+    """(wall-clock s, CPU s, module's cumulative import s, heavy modules loaded, {top-level package:
+    cumulative import s}) of `python -X importtime ARGUMENTS` in a new process on `checkout`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
     start, cpu = time.perf_counter(), children_cpu_seconds()
     done = subprocess.run([sys.executable, "-X", "importtime", *arguments], cwd=checkout, env=env,
                           capture_output=True, text=True)
     seconds, cpu = time.perf_counter() - start, children_cpu_seconds() - cpu
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(arguments)} failed in {checkout}:\n{done.stderr[-2000:]}")
-    cumulative, loaded = 0.0, set()
+    cumulative, loaded, packages = 0.0, set(), {}
     for line in done.stderr.splitlines():
         if line.startswith("import time:") and "|" in line:
             _, total, name = (part.strip() for part in line[len("import time:"):].split("|"))
             loaded.add(name)
             if name == module and total.isdigit():
                 cumulative = int(total) / 1e6
-    return seconds, cpu, cumulative, {name for name in HEAVY if name in loaded}
+            if "." not in name and total.isdigit():
+                packages[name] = int(total) / 1e6
+    return seconds, cpu, cumulative, {name for name in HEAVY if name in loaded}, packages
 
 
 def children_cpu_seconds() -> float:
@@ -102,6 +108,11 @@ def print_table(results: dict, checkouts: dict, args, load: float) -> None:
         ratio = f"{best[labels[0]][1] / best[labels[-1]][1]:.2f}x | " if len(labels) > 1 else ""
         heavy = " → ".join(", ".join(sorted(best[label][3])) or "none" for label in labels)
         print(f"| {name} | {cells} | {ratio}{heavy} |")
+    print(f"\nLargest top-level packages ({labels[-1]}; cumulative import s, each with what it imports):")
+    for name, by_checkout in results.items():
+        packages = fastest(by_checkout[labels[-1]])[4]
+        largest = sorted(packages.items(), key=lambda item: -item[1])[:LARGEST]
+        print(f"- {name}: " + ", ".join(f"{package} {seconds:.2f}" for package, seconds in largest))
 
 
 def parse_args():

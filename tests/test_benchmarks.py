@@ -3,6 +3,7 @@ CPU, named: the rows and defaults that the tests expect are the CPU's (on a GPU 
 benchmark prints bf16 and fp16 rows instead of fp32 ones)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -174,3 +175,4 @@ def test_import_benchmark_prints_its_table():
     for row in ("cloudseg segment --help", "import cloudseg.segment", "import cloudseg.predict", "import cloudseg.train"):
         assert f"| {row} |" in out
     assert "| cloudseg segment --help | " in out and "| none |" in out and "tensorboard" in out
+    assert re.search(r"^- import cloudseg.segment: .*torch \d+\.\d\d", out, re.M)  # where its seconds go
