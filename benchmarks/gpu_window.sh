@@ -4,10 +4,12 @@
 # report, the GPU's name and the profiles of slow tests go to OUT.
 # For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
-#   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210]
+# TESTS, a pytest -k expression, picks the GPU tests (those a window never reached, BENCHMARKS.md).
+#   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210] [TESTS]
 set -u
 LIMIT_S=${1:-570}
 TEST_S=${2:-210}
+TESTS=${3:-}
 mkdir -p "${OUT:=bench/window}" bench && OUT=$(cd "$OUT" && pwd)
 start=$SECONDS
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -23,7 +25,7 @@ python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', tor
 
 # Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow),
 # the one the time limit cuts too; profiled, the tests' times are somewhat longer than without.
-PYTEST_ADDOPTS="$PYTEST_ADDOPTS --profile-slow $OUT/profiles" \
+PYTEST_ADDOPTS="$PYTEST_ADDOPTS --profile-slow $OUT/profiles${TESTS:+ -k '$TESTS'}" \
   timeout -k 5 "$TEST_S" make test-gpu PY=python3 STAMP= >"$OUT/test-gpu.log" 2>&1
 echo "make test-gpu: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/test-gpu.log"
 
