@@ -33,13 +33,13 @@ from cloudseg.units import human_duration
 log = logging.getLogger("cloudseg")
 
 BACKEND = "inductor"  # torch.compile's default; tests swap in "aot_eager" (the same graphs, no code generation)
-# predict.compile=auto compiles only for a job whose model input is at least this many pixels. Estimated,
-# for an H100 and configs/fullres.yaml's UNet: a compile takes about 15 s (issue #38: a one-scene call's
-# 34 s less its imports, loading and work), and compiled saves about a quarter of the eager forward,
-# some 0.6 ms a megapixel (the training step's eager and compiled rates, 46 and 61.5 images/s of
-# 1400x2100, BENCHMARKS.md): it repays from about 25 gigapixels, fewer with the graphs in inductor's cache.
-# 10 gigapixels: some 850 scenes of 2800x4200, a minute at 150 megapixels/s. To measure on a GPU.
-COMPILE_REPAID_PIXELS = 10e9
+# predict.compile=auto compiles only for a job whose model input is at least this many pixels. For an
+# H100 and configs/fullres.yaml's UNet: the compile cost 21 s, and 10.6 s with its graphs in inductor's
+# cache (measured: a one-scene segment call eager and compiling, 2026-11-27, BENCHMARKS.md); compiled
+# saves about a quarter of the eager forward, some 0.6 ms a megapixel (estimated from the training
+# step's eager and compiled rates, 46 and 61.5 images/s of 1400x2100): it repays from about 35
+# gigapixels cold and 18 cached. 20 gigapixels: some 1,700 scenes of 2800x4200, or 160 of 7000x18000.
+COMPILE_REPAID_PIXELS = 20e9
 
 
 def resolve_compile(setting: bool | str, device: torch.device, key: str = "train.compile",

@@ -42,7 +42,8 @@ def test_auto_compiles_only_for_a_job_that_repays_the_compile(with_triton, caplo
     assert resolve_compile("auto", torch.device("cpu"), work_pixels=10 * at) is False
     with caplog.at_level(logging.INFO, logger="cloudseg"):
         resolve_compile("auto", CUDA, "predict.compile", work_pixels=2_000_000_000)
-    assert "predict.compile=auto: not compiling for 2.00 gigapixels of model input (compiling repays from 10" in caplog.text
+    assert ("predict.compile=auto: not compiling for 2.00 gigapixels of model input (compiling repays from "
+            f"{COMPILE_REPAID_PIXELS / 1e9:.0f};") in caplog.text
 
 
 def write_scenes(folder: Path) -> dict[str, tuple[int, int]]:
