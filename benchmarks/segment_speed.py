@@ -16,7 +16,8 @@ in windows of --tile (default 384x576). Rows:
 
 Under the table, each segment row's stage line (cloudseg.stages: seconds per stage summed over
 its threads, the main thread's waits, and the stage that bounds it; docs/segment.md says what each
-figure means on a GPU).
+figure means on a GPU), then its timeline: each stage's first start and last end, from the first
+read, which show how long the pipeline takes to fill and to drain.
 
 How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
@@ -235,7 +236,7 @@ def naive(scenes: list[Path], model, tile, device: torch.device, out: Path) -> N
 def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: float, device: torch.device,
                 forward=None) -> str:
     """`segment` on the checkpoint (loaded anew, as a call does), or the checkpoint's ensemble with
-    `forward` for its model (`segment_scenes`: loading apart); its stage line."""
+    `forward` for its model (`segment_scenes`: loading apart); its stage line and timeline."""
     # On CUDA rows b and c compile: they stand for a job large enough that predict.compile=auto compiles.
     options = SegmentOptions(tuple(args.tile), overlap)
     overrides = [f"predict.batch_size={args.batch}", f"predict.compile={str(device.type == 'cuda').lower()}"]
@@ -249,7 +250,7 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
         failed = segment_scenes(scenes, ensemble._replace(forwards=[forward], compiling=False), out, options,
                                 clock=clock)
     assert failed == 0
-    return clock.line(gpu=device.type == "cuda")
+    return f"{clock.line(gpu=device.type == 'cuda')}; {clock.timeline()}"
 
 
 # The codecs of the writes-alone table: segment's deflate and ZSTD, and each with the horizontal

@@ -28,6 +28,7 @@ class StageClock:
 
     def __init__(self):
         self.per_thread: collections.Counter[tuple[str, int]] = collections.Counter()  # by (stage, thread)
+        self.spans: dict[str, tuple[float, float]] = {}  # stage -> (its first start, its last end): perf_counter
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -39,10 +40,14 @@ class StageClock:
             self.add(stage, time.perf_counter() - start)
 
     def add(self, stage: str, seconds: float) -> None:
+        """`seconds` of `stage` in this thread, ending now."""
         if stage not in ORDER and stage not in WAITS:
             raise KeyError(f"{stage!r} is not a stage ({', '.join((*ORDER, *WAITS))})")
+        end = time.perf_counter()
         with self.lock:
             self.per_thread[stage, threading.get_ident()] += seconds
+            first, last = self.spans.get(stage, (end - seconds, end))
+            self.spans[stage] = (min(first, end - seconds), max(last, end))
 
     def timed(self) -> list[tuple[tuple[str, int], float]]:
         """((stage, thread), seconds) so far, read under the lock (other threads still add)."""
@@ -67,6 +72,21 @@ class StageClock:
         busiest = {stage: max((seconds for (name, _), seconds in timed if name == stage), default=0) for stage in ORDER}
         busy = {stage: seconds for stage, seconds in busiest.items() if seconds > 0}
         return max(busy, key=busy.get) if busy else None
+
+    def timeline(self) -> str:
+        """E.g. `from the first read: read 0.00 to 1.95 s · model 0.10 to 1.98 · encode 0.30 to 2.05 ·
+        write 0.32 to 2.18`: each stage's first start and last end, in seconds from the first read's start
+        (or the first stage's): how long the pipeline takes to fill (the first write comes late)
+        and to drain (the writes end long after the model's), which the seconds summed per stage
+        cannot tell."""
+        with self.lock:
+            spans = dict(self.spans)
+        if not spans:
+            return "from the first read: nothing timed"
+        zero = spans["read"][0] if "read" in spans else min(first for first, _ in spans.values())
+        parts = [f"{stage} {spans[stage][0] - zero:.2f} to {spans[stage][1] - zero:.2f}" for stage in ORDER
+                 if stage in spans]
+        return f"from the first read: {parts[0]} s" + "".join(f" · {part}" for part in parts[1:])
 
     def line(self, gpu: bool = False) -> str:
         """E.g. `stages: read 1.2 s · to device 0.1 · model 3.4 · blend 0.8 · encode 0.3 · write 2.1

@@ -156,7 +156,7 @@ def test_segment_benchmark_prints_its_table():
     assert "scenes/s | megapixels/s" in out and "fixed cost" not in out
     stages = [line for line in out.splitlines() if "| stages: read " in line]
     assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f."]
-    assert all(" — bound by: " in line for line in stages)
+    assert all(" — bound by: " in line and "; from the first read: read 0.00 to " in line for line in stages)
     writes = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
     assert writes == [[f"| {codec}", at_once] for codec in ("deflate", "deflate, predictor", "zstd",
                                                              "zstd, predictor") for at_once in ("1", "2")]

@@ -1,6 +1,7 @@
 """`cloudseg segment`'s outputs (--outputs, --compress, --cog), its GDAL threads and its stage line
 (cloudseg.stages), on the CPU with small scenes and models that cost nothing."""
 
+import re
 import threading
 import time
 
@@ -203,6 +204,27 @@ def test_the_bound_is_the_stage_whose_busiest_thread_spent_the_most():
     assert clock.bound_by() == "write"
     clock.add("read", 0.6)
     assert clock.bound_by() == "read"
+
+
+def test_the_timeline_gives_each_stage_s_first_start_and_last_end():
+    """CPU. Would catch: a stage's span taken from its summed seconds (write's would start at 0.00
+    and end at 0.10, not 0.15), the start of a later call kept over the first one's, or times not
+    counted from the first read."""
+    clock = StageClock()
+    assert clock.timeline() == "from the first read: nothing timed"
+    with clock("model"):  # before the first read: a negative start
+        time.sleep(0.05)
+    with clock("read"):
+        time.sleep(0.05)
+    for _ in range(2):
+        with clock("write"):
+            time.sleep(0.05)
+    spans = {stage: (float(first), float(last))
+             for stage, first, last in re.findall(r"(\w[\w ]*?) (-?\d+\.\d\d) to (-?\d+\.\d\d)", clock.timeline())}
+    assert list(spans) == ["read", "model", "write"]  # the data's order
+    assert spans["read"][0] == 0 and spans["read"][1] == pytest.approx(0.05, abs=0.02)
+    assert spans["model"][0] == pytest.approx(-0.05, abs=0.02) and spans["model"][1] <= 0.01
+    assert spans["write"][0] == pytest.approx(0.05, abs=0.02) and spans["write"][1] == pytest.approx(0.15, abs=0.03)
 
 
 def test_the_stage_line_reads_as_documented():
