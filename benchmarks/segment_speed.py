@@ -32,6 +32,10 @@ predict.compile=auto does for a large job); wall-clock, so other processes on th
 megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
 the same model (a for b, c; d for e, f).
 
+Row g: row c again with N files written at once (--files-at-once N, default 2; 1: no row g):
+each scene's writes in a thread of their own (segment.FILES_AT_ONCE), the next scene mapped while
+the last one is written; its speed-up is against row a.
+
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
 them on a GPU (`geo.geotiff_writer`, a row of windows at a time, GDAL's cache capped), with
 deflate (the default) and ZSTD, each also with the horizontal predictor, one file after
@@ -45,7 +49,7 @@ one scene), the imports alone, and on CUDA two calls that compile (predict.compi
 second taking its compile from inductor's cache.
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
-       --batch B --config FILE --device D --no-writes --no-fixed-cost]
+       --batch B --config FILE --device D --files-at-once N --no-writes --no-fixed-cost]
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from rasterio.transform import from_origin
 from rasterio.windows import Window
 
 from cloudseg import geo
+from cloudseg import segment as segment_module
 from cloudseg.checkpoint import save_checkpoint
 from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
@@ -113,6 +118,12 @@ def main() -> None:
                 rows[f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})"] = timed(
                     lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder / letter,
                     args.repeat)
+        if args.files_at_once > 1:  # row c again, the next scene mapped while the last one is written
+            name = f"g. cloudseg segment, overlap 0.25 (batch {args.batch}), {args.files_at_once} files at once"
+            with unittest.mock.patch.object(segment_module, "FILES_AT_ONCE", args.files_at_once):
+                rows[name] = timed(lambda out: run_segment(scenes, checkpoint, out, args, 0.25, device),
+                                   lambda out: run_segment([warm], checkpoint, out, args, 0.25, device),
+                                   folder / "g", args.repeat)
         written = sorted((folder / "c" / "run0").glob("*.tif"))  # row c's maps: the model's, blended
         writes = writes_alone(written, tuple(args.tile), args.repeat) if args.writes else None
         fixed = fixed_cost(warm, checkpoint, folder, args) if args.fixed_cost else None
@@ -155,7 +166,7 @@ def print_table(rows: Rows, args, device: torch.device, load: float) -> None:
     print("|---|---|---|---|---|---|")
     names = list(rows)
     for index, (name, (seconds, cpu, _)) in enumerate(rows.items()):
-        naive_seconds = rows[names[index // 3 * 3]][0]
+        naive_seconds = rows[names[index // 3 * 3 if index < 6 else 0]][0]
         print(f"| {name} | {seconds:.1f} | {cpu:.1f} | {args.scenes / seconds:.3f} | {megapixels / seconds:.2f} | "
               f"{naive_seconds / seconds:.2f}x |")
     print("\nWhere each segment row's time went (its fastest run; seconds summed over the threads of a stage, "
@@ -176,6 +187,8 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=4, help="windows per batch of rows b and c")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is shown")
     parser.add_argument("--config", default="configs/demo.yaml", help="the model's architecture")
+    parser.add_argument("--files-at-once", type=int, default=2, metavar="N",
+                        help="then row c again with segment.FILES_AT_ONCE = N (1: not)")
     parser.add_argument("--writes", action=argparse.BooleanOptionalAction, default=True,
                         help="also time row c's maps written again alone, one file at a time and all at once")
     parser.add_argument("--fixed-cost", action=argparse.BooleanOptionalAction, default=True,

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +57,13 @@ log = logging.getLogger("cloudseg")
 
 OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighbour
 RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their float32 and uint8 temporaries)
+# Files written at once, each scene's in a thread of its own (`Writer`): on an H100's 16 cores the writes
+# alone of two 7000x18000 maps ran 1.43x (deflate) and 1.98x (ZSTD) faster two at once than one after the
+# other (BENCHMARKS.md, 2026-11-27), where on 2 cores they gained nothing. 1 until segment's own rows are
+# measured with more (benchmarks/segment_speed.py's files-at-once rows): then the next scene is mapped
+# ahead of the last one's writes, its encoded rows queued for them, up to WRITE_QUEUE_BYTES.
+FILES_AT_ONCE = 1
+WRITE_QUEUE_BYTES = 2**30
 # Batches of windows read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
 # GPU predicts 1400x2100 windows faster than one thread inflates them from a deflated GeoTIFF. On a
 # CPU one batch ahead, as the model's own threads take the cores.
@@ -320,8 +328,10 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         counts = SceneCounts(scene, options.grid)
         rows = blended_rows(scene, ensemble, options.tile, options.overlap, clock)
         thresholds = ensemble.config.predict.threshold
+        lane = writer.lane()
         if isinstance(scene, geo.GeoTiffScene):
-            close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, writer=writer)
+            close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, writer=writer,
+                                lane=lane)
         else:
             close = map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
 
@@ -333,18 +343,27 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
             tmp.write_text(json.dumps(record))
         return record
 
-    return writer.submit(finish)
+    if lane is None:
+        return writer.submit(finish)
+    writer.wait()  # the scene's last rows encoded, so queued on its lane before the finish
+    return lane.finish(finish)
 
 
 class Writer:
-    """One thread that writes outputs in order while the caller computes the next ones, across
-    scenes: a scene is finished there while the next one is read and mapped. Each `submit` waits
-    for the item before it (so at most two are held, and a band of the blender's strips is written
-    before the band after next is made); the waits go to `clock`'s "wait for writes". An item's
-    error is its own future's: the scene's code that queued it keeps it (map_geotiff, segment_scene)."""
+    """One thread that encodes and writes outputs in order while the caller computes the next ones,
+    across scenes: a scene is finished there while the next one is read and mapped. Each `submit`
+    waits for the item before it (so at most two are held, and a band of the blender's strips is
+    encoded before the band after next is made); the waits go to `clock`'s "wait for writes". An
+    item's error is its own future's: the scene's code that queued it keeps it (map_geotiff,
+    segment_scene). With `files` > 1 each file's writes and finish go to a `Lane`, a thread of their
+    own, `files` files at once, the encoded rows queued for them up to `queue_bytes` (one item at
+    least, however large): this thread then only encodes, and the next scene is mapped while the
+    last one's rows are still written."""
 
-    def __init__(self, clock: StageClock | None = None):
+    def __init__(self, clock: StageClock | None = None, files: int = 1, queue_bytes: int = WRITE_QUEUE_BYTES):
         self.clock, self.pool, self.pending = clock or StageClock(), concurrent.futures.ThreadPoolExecutor(1), None
+        self.files, self.finishes = files, collections.deque()  # the lanes' finishes, oldest first
+        self.queue_bytes, self.queued, self.room = queue_bytes, 0, threading.Condition()
 
     def submit(self, function, *args) -> concurrent.futures.Future:
         self.wait()
@@ -357,33 +376,103 @@ class Writer:
                 concurrent.futures.wait([self.pending])
             self.pending = None
 
+    def lane(self) -> Lane | None:
+        """The next file's own thread, once fewer than `files` files are unfinished (the oldest
+        awaited); None with one file at a time (its writes stay in this thread)."""
+        if self.files == 1:
+            return None
+        while self.finishes and self.finishes[0].done():
+            self.finishes.popleft()
+        if len(self.finishes) >= self.files:
+            with self.clock("wait for writes"):
+                concurrent.futures.wait([self.finishes.popleft()])
+        return Lane(self)
+
+    def reserve(self, size: int) -> None:
+        """Wait until `size` more bytes fit the queue (at once where nothing is queued)."""
+        with self.room:
+            self.room.wait_for(lambda: self.queued == 0 or self.queued + size <= self.queue_bytes)
+            self.queued += size
+
+    def release(self, size: int) -> None:
+        with self.room:
+            self.queued -= size
+            self.room.notify_all()
+
     def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, *error) -> None:
         self.wait()
+        with self.clock("wait for writes"):
+            concurrent.futures.wait(self.finishes)
         self.pool.shutdown()
 
 
-def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions, *,
-                writer: Writer):
-    """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands`) and write the outputs of
-    `options` into the GeoTIFF `out` as they come, in `writer`'s thread while the model works on the
-    next ones. Returns what finishes the file there (the last blocks compressed, a COG copied, the
-    temporary file renamed) or, after a failed write, removes it and raises that write's error. A
-    failed write stops the mapping at the next rows; an error of the mapping removes the file here."""
-    clock, failed = writer.clock, []  # failed: the first write's error, from the writer's thread
+class Lane:
+    """One file's writes, then its finish, in a thread of their own, in order (`Writer.lane`)."""
 
-    def write(top, probs, valid):
+    def __init__(self, writer: Writer):
+        self.writer, self.pool = writer, concurrent.futures.ThreadPoolExecutor(1)  # its thread starts at a submit
+
+    def submit(self, function, *args, size: int = 0) -> None:
+        """Queue function(*args), its `size` bytes counted against the writer's queue while queued."""
+        self.writer.reserve(size)
+
+        def run():
+            try:
+                function(*args)
+            finally:
+                self.writer.release(size)
+
+        self.pool.submit(run)
+
+    def drain(self) -> None:
+        """Wait for every queued write, and end the thread (after a mapping's error: nothing of the
+        file left running)."""
+        self.pool.shutdown(wait=True)
+
+    def finish(self, function) -> concurrent.futures.Future:
+        """Queue the file's finish, last; the thread ends after it."""
+        future = self.pool.submit(function)
+        self.pool.shutdown(wait=False)
+        self.writer.finishes.append(future)
+        return future
+
+
+def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions, *,
+                writer: Writer, lane: Lane | None = None):
+    """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands`) and write the outputs of
+    `options` into the GeoTIFF `out` as they come, in `writer`'s thread (the writes in `lane`'s,
+    if any) while the model works on the next ones. Returns what finishes the file there (the last
+    blocks compressed, a COG copied, the temporary file renamed) or, after a failed write, removes
+    it and raises that write's error. A failed write stops the mapping at the next rows; an error
+    of the mapping removes the file here."""
+    clock, failed = writer.clock, []  # failed: the first write's error, from the writer's or the lane's thread
+
+    def encode(top, probs, valid):
         if failed:
             return
         try:
             with clock("encode"):
                 bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
             with clock("write"):
-                strips.write(top, geo.chosen_bands(bands, options.outputs))
                 counts.add(top, bands, pixel_counts)
+            chosen = geo.chosen_bands(bands, options.outputs)
+            if lane is None:
+                write(top, chosen)
+            else:
+                lane.submit(write, top, chosen, size=chosen.nbytes)
         except BaseException as error:  # noqa: BLE001 -- kept for the scene: raised by close() or the mapping
+            failed.append(error)
+
+    def write(top, bands):
+        if failed:
+            return
+        try:
+            with clock("write"):
+                strips.write(top, bands)
+        except BaseException as error:  # noqa: BLE001 -- as in encode
             failed.append(error)
 
     def close():
@@ -407,9 +496,11 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
         for top, probs, valid in rows:
             if failed:
                 raise failed[0]
-            writer.submit(write, top, probs, valid)
+            writer.submit(encode, top, probs, valid)
     except BaseException as error:
         writer.wait()  # no write of this file left running
+        if lane is not None:
+            lane.drain()
         removed(error)
     return close
 
@@ -523,7 +614,7 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
         tqdm.write(f"cloudseg segment: {scene_error(path, error)}", file=sys.stderr)
 
     finishing = []  # (scene, the future of its finish, in the writer's thread while the next scene is mapped)
-    with opencv_threads(1), Writer(clock) as writer:
+    with opencv_threads(1), Writer(clock, FILES_AT_ONCE) as writer:
         for path in tqdm(todo, desc=f"segment (process {distributed.rank()})", unit="scene", disable=None):
             try:
                 finishing.append((path, segment_scene(path, out_dir, ensemble, options, clock, writer)))

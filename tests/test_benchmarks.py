@@ -155,7 +155,8 @@ def test_segment_benchmark_prints_its_table():
         assert f"| {row} |" in out
     assert "scenes/s | megapixels/s" in out and "fixed cost" not in out
     stages = [line for line in out.splitlines() if "| stages: read " in line]
-    assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f."]
+    assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f.", "g."]
+    assert "| g. cloudseg segment, overlap 0.25 (batch 4), 2 files at once |" in out
     assert all(" — bound by: " in line and "; from the first read: read 0.00 to " in line for line in stages)
     writes = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
     assert writes == [[f"| {codec}", at_once] for codec in ("deflate", "deflate, predictor", "zstd",

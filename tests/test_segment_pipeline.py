@@ -2,9 +2,11 @@
 compressed, NAME.json written) in the writer's thread while the next scene is read and mapped,
 and each scene's errors stay its own. CPU, small GeoTIFF scenes, a model that costs nothing."""
 
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cloudseg import geo
@@ -13,7 +15,7 @@ from cloudseg.files import atomic_path
 from cloudseg.stages import StageClock
 from tests.test_segment import pixelwise, smooth_scene, tiny_ensemble, write_geotiff  # noqa: F401
 
-pytest.importorskip("rasterio")
+rasterio = pytest.importorskip("rasterio")
 
 OPTIONS = segment_module.SegmentOptions((64, 96), 0.25)
 
@@ -24,6 +26,13 @@ def scenes(tmp_path):
     (tmp_path / "in").mkdir()
     return [write_geotiff(tmp_path / "in" / f"{name}.tif", smooth_scene(320, 230, seed))
             for seed, name in enumerate("abc")]
+
+
+@pytest.fixture(params=[1, 2], ids=["one file at a time", "two files at once"])
+def files_at_once(request, monkeypatch):
+    """segment.FILES_AT_ONCE for the test: its errors must stay each scene's own either way."""
+    monkeypatch.setattr(segment_module, "FILES_AT_ONCE", request.param)
+    return request.param
 
 
 def counting(ensemble, calls: list):
@@ -59,8 +68,64 @@ def test_the_next_scene_is_read_and_mapped_while_the_last_one_is_finished(tiny_e
                                                                           "fractions.csv"]
 
 
+def test_two_files_at_once_write_the_same_maps_each_file_in_one_thread_in_order(tiny_ensemble, scenes, tmp_path,
+                                                                                monkeypatch):
+    """CPU. Would catch: FILES_AT_ONCE ignored (no two files' writes at the same time), a file's
+    rows written from several threads or out of order, a queue that lets a third file start while
+    two are unfinished, or maps and NAME.json other than one file at a time's."""
+    _, ensemble = tiny_ensemble
+    reference = tmp_path / "one"
+    assert segment_module.segment_scenes(scenes, counting(ensemble, []), reference, OPTIONS) == 0
+    writes, write = [], geo.write_geotiff_rows
+
+    def slow_write(out, top, bands):
+        start = time.perf_counter()
+        time.sleep(0.02)
+        write(out, top, bands)
+        writes.append((Path(out.name).name.split(".")[1], top, threading.get_ident(), start, time.perf_counter()))
+
+    monkeypatch.setattr(geo, "write_geotiff_rows", slow_write)
+    monkeypatch.setattr(segment_module, "FILES_AT_ONCE", 2)
+    assert segment_module.segment_scenes(scenes, counting(ensemble, []), tmp_path / "two", OPTIONS) == 0
+    by_file = {name: [write for write in writes if write[0] == name] for name in "abc"}
+    assert all(len({thread for _, _, thread, _, _ in rows}) == 1 for rows in by_file.values())
+    assert all([top for _, top, *_ in rows] == sorted(top for _, top, *_ in rows) for rows in by_file.values())
+    spans = {name: (rows[0][3], rows[-1][4]) for name, rows in by_file.items()}
+    assert spans["b"][0] < spans["a"][1]  # b written while a still was
+    assert spans["c"][0] >= min(spans["a"][1], spans["b"][1])  # c only once a or b was finished
+    for path in sorted(reference.iterdir()):
+        two = tmp_path / "two" / path.name
+        if path.suffix == ".tif":
+            with rasterio.open(path) as one_file, rasterio.open(two) as two_files:
+                assert np.array_equal(one_file.read(), two_files.read())
+        else:
+            assert path.read_text() == two.read_text()
+
+
+def test_the_rows_queued_for_the_files_stay_within_the_queue_bound(tiny_ensemble, scenes, tmp_path, monkeypatch):
+    """CPU. Would catch: `Writer.reserve` never waiting (the encoded rows of whole scenes queued
+    behind a slow disk), or bytes never released (the mapping stuck once the bound is reached)."""
+    _, ensemble = tiny_ensemble
+    bound = 3 * 8 * 32 * 230  # three releases of 32 rows of eight bands
+    writer = segment_module.Writer(StageClock(), files=2, queue_bytes=bound)
+    queued, write = [], geo.write_geotiff_rows
+
+    def slow_write(out, top, bands):
+        queued.append(writer.queued)
+        time.sleep(0.03)
+        write(out, top, bands)
+
+    monkeypatch.setattr(geo, "write_geotiff_rows", slow_write)
+    with writer:
+        finishes = [segment_module.segment_scene(path, tmp_path / "out", counting(ensemble, []), OPTIONS,
+                                                 writer.clock, writer) for path in scenes]
+    assert all(finish.result()["height"] == 320 for finish in finishes)
+    assert max(queued) <= bound and max(queued) >= 2 * 8 * 32 * 230  # the bound was reached, and held
+    assert writer.queued == 0
+
+
 def test_a_failed_write_fails_its_own_scene_stops_it_and_leaves_no_file(tiny_ensemble, scenes, tmp_path,
-                                                                       monkeypatch, capsys):
+                                                                       monkeypatch, files_at_once, capsys):
     """CPU. Would catch: a write's error raised while the next scene is mapped (c blamed, or c
     not mapped), a temporary file left behind, or a scene mapped to its end though its output
     cannot be written (b's model calls as many as a's)."""
@@ -92,7 +157,8 @@ def test_a_failed_write_fails_its_own_scene_stops_it_and_leaves_no_file(tiny_ens
     assert 0 < calls_b < calls_a
 
 
-def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys):
+def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_path, monkeypatch, files_at_once,
+                                                  capsys):
     """CPU. Would catch: the error of a's finish (here its NAME.json) raised while b is mapped and
     reported as b's, or b then left unmapped; a keeps no NAME.json, so a rerun maps it again."""
     _, ensemble = tiny_ensemble
@@ -110,7 +176,8 @@ def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_pat
     assert not segment_module.is_done(tmp_path / "out", scenes[0], None)
 
 
-def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys):
+def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, tmp_path, monkeypatch, files_at_once,
+                                                         capsys):
     """CPU. Would catch: the scene's temporary GeoTIFF still there when its error is reported (left
     to the garbage collector), the file closed while a queued write of it still runs, the error
     blamed on b, or b not mapped."""
@@ -141,7 +208,8 @@ def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, 
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "fractions.csv"]
 
 
-def test_a_failed_last_write_publishes_nothing_of_its_scene(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys):
+def test_a_failed_last_write_publishes_nothing_of_its_scene(tiny_ensemble, scenes, tmp_path, monkeypatch,
+                                                            files_at_once, capsys):
     """CPU. Would catch: a finish that closes and renames the file though its last rows failed to
     be written (a map with missing rows, and its NAME.json, published), or the error lost."""
     _, ensemble = tiny_ensemble
