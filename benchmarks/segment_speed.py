@@ -22,8 +22,9 @@ read, which show how long the pipeline takes to fill and to drain.
 How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
 `make bench` maps 2 such scenes (rows a-f then about 60 s: the naive loops double), and the
-warm-ups, the loads, the first compile, the writes alone (8 writes of the 252 megapixels and 8
-read-backs, not yet timed there) and the fixed-cost calls come on top, so allow a few minutes.
+warm-ups, the loads, the first compile, row g, the writes alone (12 writes of the 252 megapixels and 12
+read-backs) and the fixed-cost calls come on top: the whole part took 218 s on the H100 on 2026-11-27,
+before row g and 4 of those writes were added.
 This CPU's default sizes: 2-4 minutes.
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
@@ -37,9 +38,10 @@ each scene's writes in a thread of their own (segment.FILES_AT_ONCE), the next s
 the last one is written; its speed-up is against row a.
 
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
-them on a GPU (`geo.geotiff_writer`, a row of windows at a time, GDAL's cache capped), with
-deflate (the default) and ZSTD, each also with the horizontal predictor, one file after
-another in one thread, then every scene's file at once in a thread each. What the writer
+them on a GPU (`geo.geotiff_writer`, a row of windows at a time in whole strips, GDAL's cache
+capped), with deflate (the default) and ZSTD, each also with the horizontal predictor and with each
+release written as it comes (not in whole strips), one file after another in one thread, then
+every scene's file at once in a thread each. What the writer
 alone allows segment where its stage line says `bound by: write`, and whether files written in
 parallel would raise it.
 
@@ -66,6 +68,7 @@ import sys
 import tempfile
 import time
 import unittest.mock
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -266,10 +269,12 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
     return f"{clock.line(gpu=device.type == 'cuda')}; {clock.timeline()}"
 
 
-# The codecs of the writes-alone table: segment's deflate and ZSTD, and each with the horizontal
-# predictor (PREDICTOR=2; GDAL options for this comparison only, added to geo.CODECS while it runs).
-WRITE_CODECS = {"deflate": "deflate", "deflate, predictor": "deflate-predictor", "zstd": "zstd",
-                "zstd, predictor": "zstd-predictor"}
+# The rows of the writes-alone table, name -> (codec, in whole strips as segment writes): segment's deflate
+# and ZSTD, each with the horizontal predictor (PREDICTOR=2; GDAL options for this comparison only,
+# added to geo.CODECS while it runs), and each with every release written as it comes (geo.WholeStrips not used).
+WRITE_CODECS = {"deflate": ("deflate", True), "deflate, predictor": ("deflate-predictor", True),
+                "deflate, each release as it comes": ("deflate", False), "zstd": ("zstd", True),
+                "zstd, predictor": ("zstd-predictor", True), "zstd, each release as it comes": ("zstd", False)}
 COMPARED_CODECS = {f"{codec}-predictor": {**geo.CODECS[codec], "predictor": 2} for codec in ("deflate", "zstd")}
 
 
@@ -291,27 +296,27 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
             scenes.append(SimpleNamespace(width=source.width, height=source.height, crs=source.crs,
                                           transform=source.transform))
 
-    def write(index: int, codec: str, out: Path) -> Path:
+    def write(index: int, codec: str, whole: bool, out: Path) -> Path:
         height = scenes[index].height
         tops = [*tiling(height, scenes[index].width, tile, OVERLAP).tops[1:], height]  # as blended_rows releases
         with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
-            strips = geo.WholeStrips(written, height)
+            write_rows = geo.WholeStrips(written, height).write if whole else partial(geo.write_geotiff_rows, written)
             for top, bottom in zip([0, *tops], tops):
-                strips.write(top, bands[index][:, top:bottom])
+                write_rows(top, bands[index][:, top:bottom])
         return out / maps[index].name
 
     results = {}
     with (tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB),
           unittest.mock.patch.dict(geo.CODECS, COMPARED_CODECS)):
-        for name, codec in WRITE_CODECS.items():
+        for name, (codec, whole) in WRITE_CODECS.items():
             for at_once in sorted({1, len(maps)}):
                 times = []
                 for run in range(repeat):
-                    out = Path(folder) / f"{codec}-{at_once}-{run}"
+                    out = Path(folder) / f"{codec}-{whole}-{at_once}-{run}"
                     out.mkdir()
                     start, cpu = time.perf_counter(), time.process_time()
                     with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
-                        paths = list(pool.map(lambda index: write(index, codec, out), range(len(maps))))
+                        paths = list(pool.map(lambda index: write(index, codec, whole, out), range(len(maps))))
                     times.append((time.perf_counter() - start, time.process_time() - cpu,
                                   sum(path.stat().st_size for path in paths) / 1e6))
                     for path, expected in zip(paths if run == 0 else [], bands):

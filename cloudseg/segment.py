@@ -60,8 +60,8 @@ RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their fl
 # Files written at once, each scene's in a thread of its own (`Writer`): on an H100's 16 cores the writes
 # alone of two 7000x18000 maps ran 1.43x (deflate) and 1.98x (ZSTD) faster two at once than one after the
 # other (BENCHMARKS.md, 2026-11-27), where on 2 cores they gained nothing. 1 until segment's own rows are
-# measured with more (benchmarks/segment_speed.py's files-at-once rows): then the next scene is mapped
-# ahead of the last one's writes, its encoded rows queued for them, up to WRITE_QUEUE_BYTES.
+# measured with more (benchmarks/segment_speed.py's row g): then the next scene is mapped ahead of the
+# last one's writes, its encoded rows queued for them, up to WRITE_QUEUE_BYTES (and a strip per file).
 FILES_AT_ONCE = 1
 WRITE_QUEUE_BYTES = 2**30
 # Batches of windows read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
@@ -221,21 +221,23 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
             return read_batch(scene, boxes, pin=device.type == "cuda")
 
     blender, current_row = StripBlender(grid.height, scene.width, scene.height, device), 0
-    read_ahead = prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)
-    for batch, (images, masks) in zip(batches, timed_items(read_ahead, clock, "wait for reads")):
-        with clock("to device"):
-            images = images.to(device, non_blocking=True)
-            valid = ~no_data(images)[:, 0]
-            if masks is not None:
-                valid &= masks.to(device, non_blocking=True)
-        with clock("model"):
-            probs = ensemble_native(ensemble, images, zero_black=False)[0]  # `valid` marks the black pixels
-        for (row, column), window_probs, window_valid in zip(batch, probs, valid):
-            if row != current_row:
-                yield from blender.release(grid.tops[row], release_rows)
-                current_row = row
-            with clock("blend"):
-                blender.add(window_probs, weights(row, column), window_valid, grid.tops[row], grid.lefts[column])
+    # closed with this generator: its reads ahead finished before a caller that stops early closes the scene
+    with contextlib.closing(prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)) as read_ahead:
+        for batch, (images, masks) in zip(batches, timed_items(read_ahead, clock, "wait for reads")):
+            with clock("to device"):
+                images = images.to(device, non_blocking=True)
+                valid = ~no_data(images)[:, 0]
+                if masks is not None:
+                    valid &= masks.to(device, non_blocking=True)
+            with clock("model"):
+                probs = ensemble_native(ensemble, images, zero_black=False)[0]  # `valid` marks the black pixels
+            for (row, column), window_probs, window_valid in zip(batch, probs, valid):
+                if row != current_row:
+                    yield from blender.release(grid.tops[row], release_rows)
+                    current_row = row
+                with clock("blend"):
+                    blender.add(window_probs, weights(row, column), window_valid, grid.tops[row],
+                                grid.lefts[column])
     yield from blender.release(scene.height, release_rows)
 
 
@@ -322,18 +324,24 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         with Writer(clock) as writer:
             finish = segment_scene(path, out_dir, ensemble, options, clock, writer)
         return finish
-    clock = clock or StageClock()
-    with geo.open_scene(path, ensemble.device) as scene:
-        when = geo.scene_time(path, scene.tags, options.time_pattern)  # its error before any work, not after
-        counts = SceneCounts(scene, options.grid)
-        rows = blended_rows(scene, ensemble, options.tile, options.overlap, clock)
-        thresholds = ensemble.config.predict.threshold
-        lane = writer.lane()
-        if isinstance(scene, geo.GeoTiffScene):
-            close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options, writer=writer,
-                                lane=lane)
-        else:
-            close = map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
+    clock, lane = clock or StageClock(), writer.lane()
+    try:
+        with geo.open_scene(path, ensemble.device) as scene:
+            when = geo.scene_time(path, scene.tags, options.time_pattern)  # its error before any work, not after
+            counts = SceneCounts(scene, options.grid)
+            thresholds = ensemble.config.predict.threshold
+            # closed before the scene, also when the mapping stops early: no read of it left running
+            with contextlib.closing(blended_rows(scene, ensemble, options.tile, options.overlap, clock)) as rows:
+                if isinstance(scene, geo.GeoTiffScene):
+                    close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options,
+                                        writer=writer, lane=lane)
+                else:
+                    close = map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
+    except BaseException:
+        if lane is not None:
+            writer.wait()
+            lane.drain()  # no write of this scene left running once its error is raised
+        raise
 
     def finish() -> dict:
         with clock("write"):
@@ -381,11 +389,10 @@ class Writer:
         awaited); None with one file at a time (its writes stay in this thread)."""
         if self.files == 1:
             return None
-        while self.finishes and self.finishes[0].done():
-            self.finishes.popleft()
         if len(self.finishes) >= self.files:
             with self.clock("wait for writes"):
-                concurrent.futures.wait([self.finishes.popleft()])
+                concurrent.futures.wait(self.finishes, return_when=concurrent.futures.FIRST_COMPLETED)
+        self.finishes = collections.deque(finish for finish in self.finishes if not finish.done())
         return Lane(self)
 
     def reserve(self, size: int) -> None:
@@ -425,7 +432,11 @@ class Lane:
             finally:
                 self.writer.release(size)
 
-        self.pool.submit(run)
+        try:
+            self.pool.submit(run)
+        except BaseException:
+            self.writer.release(size)  # never queued
+            raise
 
     def drain(self) -> None:
         """Wait for every queued write, and end the thread (after a mapping's error: nothing of the
@@ -461,8 +472,9 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
             chosen = geo.chosen_bands(bands, options.outputs)
             if lane is None:
                 write(top, chosen)
-            else:
-                lane.submit(write, top, chosen, size=chosen.nbytes)
+            else:  # a view of some bands holds them all
+                lane.submit(write, top, chosen, size=bands.nbytes if np.may_share_memory(chosen, bands) else
+                            chosen.nbytes)
         except BaseException as error:  # noqa: BLE001 -- kept for the scene: raised by close() or the mapping
             failed.append(error)
 
@@ -498,6 +510,7 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
                 raise failed[0]
             writer.submit(encode, top, probs, valid)
     except BaseException as error:
+        failed.append(error)  # the queued encodes and writes of this file return at once
         writer.wait()  # no write of this file left running
         if lane is not None:
             lane.drain()

@@ -80,7 +80,7 @@ class StageClock:
         and to drain (the writes end long after the model's), which the seconds summed per stage
         cannot tell."""
         with self.lock:
-            spans = dict(self.spans)
+            spans = {stage: span for stage, span in self.spans.items() if stage in ORDER}  # not the waits
         if not spans:
             return "from the first read: nothing timed"
         zero = spans["read"][0] if "read" in spans else min(first for first, _ in spans.values())

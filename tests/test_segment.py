@@ -153,7 +153,8 @@ def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble
     rows would come back on the CPU, or copies to the host show), and any read or blocking copy per
     window (an `.item()`, `.cpu()`, a window's weights sent from pageable memory)."""
     _, ensemble = tiny_ensemble
-    monkeypatch.setattr(segment_module, "prefetched", lambda function, items, ahead: map(function, items))
+    monkeypatch.setattr(segment_module, "prefetched",  # a generator, as the real one: blended_rows closes it
+                        lambda function, items, ahead: (function(item) for item in items))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     gpu = stand_in(pixelwise, ensemble.config, batch_size=3)._replace(device=torch.device("cuda", 0))
     with FakeTensorMode(allow_non_fake_inputs=True), HostSyncs() as syncs:

@@ -35,6 +35,26 @@ def files_at_once(request, monkeypatch):
     return request.param
 
 
+def within(seconds: float, function):
+    """function() in a thread of its own, its result or error; a test failure, not a hung run, where
+    it takes longer than `seconds` (a deadlock of the writer's queue)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = function()
+        except BaseException as error:  # noqa: BLE001 -- raised in the test's thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a deadlock?"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def counting(ensemble, calls: list):
     """The ensemble with the pixelwise model, each call's batch size appended to `calls`."""
     return ensemble._replace(forwards=[lambda images: calls.append(len(images)) or pixelwise(images)])
@@ -86,7 +106,8 @@ def test_two_files_at_once_write_the_same_maps_each_file_in_one_thread_in_order(
 
     monkeypatch.setattr(geo, "write_geotiff_rows", slow_write)
     monkeypatch.setattr(segment_module, "FILES_AT_ONCE", 2)
-    assert segment_module.segment_scenes(scenes, counting(ensemble, []), tmp_path / "two", OPTIONS) == 0
+    assert within(120, lambda: segment_module.segment_scenes(scenes, counting(ensemble, []), tmp_path / "two",
+                                                             OPTIONS)) == 0
     by_file = {name: [write for write in writes if write[0] == name] for name in "abc"}
     assert all(len({thread for _, _, thread, _, _ in rows}) == 1 for rows in by_file.values())
     assert all([top for _, top, *_ in rows] == sorted(top for _, top, *_ in rows) for rows in by_file.values())
@@ -116,9 +137,13 @@ def test_the_rows_queued_for_the_files_stay_within_the_queue_bound(tiny_ensemble
         write(out, top, bands)
 
     monkeypatch.setattr(geo, "write_geotiff_rows", slow_write)
-    with writer:
-        finishes = [segment_module.segment_scene(path, tmp_path / "out", counting(ensemble, []), OPTIONS,
+
+    def map_all():
+        with writer:
+            return [segment_module.segment_scene(path, tmp_path / "out", counting(ensemble, []), OPTIONS,
                                                  writer.clock, writer) for path in scenes]
+
+    finishes = within(120, map_all)
     assert all(finish.result()["height"] == 320 for finish in finishes)
     assert max(queued) <= bound and max(queued) >= 2 * 8 * 32 * 230  # the bound was reached, and held
     assert writer.queued == 0
@@ -155,6 +180,40 @@ def test_a_failed_write_fails_its_own_scene_stops_it_and_leaves_no_file(tiny_ens
                                                                           "fractions.csv"]
     calls_a, calls_b = first_call["b"] - first_call["a"], first_call["c"] - first_call["b"]
     assert 0 < calls_b < calls_a
+
+
+def test_a_scene_stopped_by_a_failed_write_is_closed_only_after_its_reads_ahead(tiny_ensemble, scenes, tmp_path,
+                                                                                 monkeypatch, files_at_once):
+    """CPU. Would catch: the scene's GDAL handles closed while a read ahead (in the reader thread)
+    still uses one, when a failed write stops the mapping early: a read of a closed dataset, which
+    crashed a test worker (a segmentation fault) before the rows' generator was closed first."""
+    _, ensemble = tiny_ensemble
+    events, read, close, write = [], geo.GeoTiffScene.read, geo.GeoTiffScene.close, geo.write_geotiff_rows
+
+    def slow_read(scene, *box):
+        if scene.path.stem == "b":
+            events.append(("read", time.perf_counter()))
+            time.sleep(0.05)
+        return read(scene, *box)
+
+    def logged_close(scene):
+        if scene.path.stem == "b":
+            events.append(("close", time.perf_counter()))
+        close(scene)
+
+    def failing_for_b(out, top, bands):
+        if Path(out.name).name.startswith(".b.tif."):
+            raise OSError(28, "No space left on device")
+        return write(out, top, bands)
+
+    monkeypatch.setattr(geo.GeoTiffScene, "read", slow_read)
+    monkeypatch.setattr(geo.GeoTiffScene, "close", logged_close)
+    monkeypatch.setattr(geo, "write_geotiff_rows", failing_for_b)
+    assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
+    closed = next(when for what, when in events if what == "close")
+    assert all(when + 0.05 <= closed for what, when in events if what == "read")  # each read done before
+    grid = segment_module.tiling(320, 230, OPTIONS.tile, OPTIONS.overlap)
+    assert sum(what == "read" for what, _ in events) < len(grid.tops) * len(grid.lefts)  # stopped early
 
 
 def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_path, monkeypatch, files_at_once,
