@@ -385,8 +385,8 @@ class Writer:
             self.pending = None
 
     def lane(self) -> Lane | None:
-        """The next file's own thread, once fewer than `files` files are unfinished (the oldest
-        awaited); None with one file at a time (its writes stay in this thread)."""
+        """The next file's own thread, once fewer than `files` files are unfinished (else the first
+        to finish awaited); None with one file at a time (its writes stay in this thread)."""
         if self.files == 1:
             return None
         if len(self.finishes) >= self.files:
