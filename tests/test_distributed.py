@@ -147,6 +147,7 @@ def test_whole_batches_are_dealt_to_the_processes_in_turn(monkeypatch, rank, exp
     assert distributed.shard_batches(10, 3) == expected
 
 
+@pytest.mark.slow  # the control of the test above (65 s on 2 cores): it proves that test can fail, not the code
 def test_the_test_can_fail_syncing_the_first_micro_batch_instead_of_the_last(data_copy, tmp_path):
     """A control: with the all-reduce on the window's first micro-batch, the last micro-batch's
     gradient stays on its rank, and the comparison above sees it."""
