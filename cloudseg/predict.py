@@ -25,7 +25,7 @@ from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
-from cloudseg.model import CloudNet, build_model, forward_with_classes, load_weights, prepare_for_training
+from cloudseg.model import CloudNet, forward_with_classes, loaded_model, prepare_for_training
 from cloudseg.postprocess import (HEAD_GATES, RULE_DEFAULTS, RULE_FILE, RULE_KEYS, TOP_K, apply_rule, quantize,
                                   read_rule_file)
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
@@ -114,8 +114,7 @@ def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config
     """A model rebuilt from a checkpoint alone (no config file, no weight download)."""
     state = load_checkpoint(path)
     config = from_dict(state["config"], source=f"{path} (saved config)")
-    model = build_model(config.model, pretrained=False)
-    load_weights(model, state["model"], path)
+    model = loaded_model(config.model, state["model"], path)
     prepare_for_training(model, config.train.channels_last, checkpointing="none")  # the memory format it trained in
     return model.to(device).eval(), config
 

@@ -11,7 +11,8 @@ from torch import nn
 from cloudseg.cli import main
 from cloudseg.config import ModelConfig, load_config
 from cloudseg.memory import estimate
-from cloudseg.model import CloudNet, build_model, checkpoint_blocks, set_checkpointing, train_mode
+from cloudseg import model as model_module
+from cloudseg.model import CloudNet, build_model, checkpoint_blocks, loaded_model, set_checkpointing, train_mode
 from tests.test_memory_savers import loss_grads_and_stats
 
 ARCHS = ("unet", "unetplusplus", "fpn")
@@ -42,6 +43,66 @@ def test_logits_come_back_at_the_input_size(arch, size):
     model = build_model(small_config(arch)).eval()
     with torch.no_grad():
         assert model(torch.zeros(2, 3, *size, dtype=torch.uint8)).shape == (2, 4, *size)
+
+
+@pytest.mark.parametrize("arch, options", [("unet", {}), ("unetplusplus", {"cls_head": True}), ("fpn", {"norm": "group"})])
+def test_a_model_loaded_from_weights_is_built_on_meta_and_equals_one_built_then_loaded(arch, options, monkeypatch):
+    """CPU. Would catch: a tensor left on the meta device (CloudNet's unsaved mean and std were,
+    and every load then fell back to the slow build), weights copied where they are meant to be
+    assigned (the random initialisation no longer skipped: two builds), or a model whose logits
+    differ from `build_model` then `load_state_dict`."""
+    torch.manual_seed(0)
+    weights = build_model(small_config(arch, **options)).state_dict()
+    reference = build_model(small_config(arch, **options)).eval()
+    reference.load_state_dict(weights)
+    builds = []
+    monkeypatch.setattr(model_module, "build_model", lambda *args, **kw: builds.append(
+        torch.empty(0).device.type) or build_model(*args, **kw))
+    model = loaded_model(small_config(arch, **options), weights, "best.pt").eval()
+    assert builds == ["meta"]  # one build, on the meta device
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert tensors.keys() == (dict(reference.named_parameters()) | dict(reference.named_buffers())).keys()
+    assert all(tensor.device.type == "cpu" for tensor in tensors.values())
+    assert all(parameter.requires_grad for parameter in model.parameters())
+    images = torch.randint(0, 256, (1, 3, 64, 96), dtype=torch.uint8)
+    with torch.no_grad():
+        assert torch.equal(model(images), reference(images))
+
+
+def test_an_encoder_that_cannot_be_built_on_meta_is_built_as_usual(monkeypatch):
+    """CPU. Would catch: no fallback where the meta build itself fails (smp's mit_b* calls .item()
+    on a tensor while it is built): predict and segment could not load such a checkpoint."""
+    config = ModelConfig(encoder="mit_b0", encoder_weights=None, decoder_channels=(16, 8, 8, 8, 8))
+    torch.manual_seed(0)
+    reference = build_model(config).eval()
+    builds = []
+    monkeypatch.setattr(model_module, "build_model", lambda *args, **kw: builds.append(
+        torch.empty(0).device.type) or build_model(*args, **kw))
+    model = loaded_model(config, reference.state_dict(), "best.pt").eval()
+    assert builds == ["meta", "cpu"]  # the meta build failed: the usual one followed
+    images = torch.randint(0, 256, (1, 3, 64, 96), dtype=torch.uint8)
+    with torch.no_grad():
+        assert torch.equal(model(images), reference(images))
+
+
+def test_weights_of_another_dtype_are_cast_to_the_model_s_as_load_state_dict_does():
+    """CPU. Would catch: bfloat16 weights assigned as they are, so that the model would run in
+    bfloat16 where a checkpoint loaded into `build_model` runs in float32."""
+    torch.manual_seed(0)
+    weights = {key: value.to(torch.bfloat16) if value.is_floating_point() else value
+               for key, value in build_model(small_config("unet")).state_dict().items()}
+    model = loaded_model(small_config("unet"), weights, "best.pt")
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
+    assert all(torch.equal(tensor, weights[key].float()) for key, tensor in model.state_dict().items()
+               if tensor.is_floating_point())
+
+
+def test_weights_that_do_not_fit_are_refused_by_the_meta_build_too():
+    """CPU. Would catch: the meta build's load not strict (missing keys left on the meta device)."""
+    weights = build_model(small_config("unet")).state_dict()
+    del weights[next(iter(weights))]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        loaded_model(small_config("unet"), weights, "best.pt")
 
 
 def test_unet_checkpoints_from_before_model_arch_still_load():
