@@ -5,8 +5,8 @@ Synthetic GeoTIFF scenes (default 2 of 1536x2304, 3.5 megapixels each) and an un
 in windows of --tile (default 384x576). Rows:
 
   a. naive loop             one window at a time (batch 1), side by side without overlap, read,
-                            predicted and pasted into a whole-scene array, then written (4 bands):
-                            the hand-written loop of scripts that map scenes
+                            predicted and pasted into a whole-scene array, then written (4 bands,
+                            segment's default codec): the hand-written loop of scripts that map scenes
   b. cloudseg, overlap 0    `segment.segment` with the naive loop's windows, batched (--batch):
                             the next batch read and the finished rows written meanwhile in threads,
                             8 bands, fractions
@@ -35,11 +35,14 @@ the same model (a for b, c; d for e, f).
 
 Row g: row c again with N files written at once (--files-at-once N, default 2; 1: no row g):
 each scene's writes in a thread of their own (segment.FILES_AT_ONCE), the next scene mapped while
-the last one is written; its speed-up is against row a.
+the last one is written; its speed-up is against row a. --codecs: row c again in each codec named
+but the default (ZSTD), then row g in each. --rows: which of rows a-f (default all), for a short
+GPU window. A segment row's stage line ends with how long the call took before its first read
+(loading the checkpoint) and after its last write (the summaries).
 
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
 them on a GPU (`geo.geotiff_writer`, a row of windows at a time in whole strips, GDAL's cache
-capped), with deflate (the default) and ZSTD, each also with the horizontal predictor and with each
+capped), with deflate and ZSTD (the default), each also with the horizontal predictor and with each
 release written as it comes (not in whole strips), one file after another in one thread, then
 every scene's file at once in a thread each. What the writer
 alone allows segment where its stage line says `bound by: write`, and whether files written in
@@ -51,7 +54,8 @@ one scene), the imports alone, and on CUDA two calls that compile (predict.compi
 second taking its compile from inductor's cache.
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
-       --batch B --config FILE --device D --files-at-once N --no-writes --no-fixed-cost]
+       --batch B --config FILE --device D --files-at-once N --codecs C [C ...] --rows LETTERS --log
+       --no-writes --no-fixed-cost]
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ class Constant(torch.nn.Module):
 
 def main() -> None:
     args = parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.INFO if args.log else logging.WARNING)
     device = resolve_device(args.device)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
@@ -111,23 +115,38 @@ def main() -> None:
         model, _ = load_model(checkpoint, device)
         rows = Rows(args.scenes * args.height * args.width / 1e6)
         for letters, name, forward in (("abc", "", model), ("def", ", no model", Constant())):
-            rows[f"{letters[0]}. naive loop{name} (batch 1, no overlap)"] = timed(
-                lambda out, forward=forward: naive(scenes, forward, args.tile, device, out),
-                lambda out, forward=forward: naive([warm], forward, args.tile, device, out), folder / letters[0],
-                args.repeat)
+            if letters[0] in args.rows:
+                rows[f"{letters[0]}. naive loop{name} (batch 1, no overlap)"] = timed(
+                    lambda out, forward=forward: naive(scenes, forward, args.tile, device, out),
+                    lambda out, forward=forward: naive([warm], forward, args.tile, device, out), folder / letters[0],
+                    args.repeat)
             for letter, overlap in zip(letters[1:], (0.0, 0.25)):
+                if letter not in args.rows:
+                    continue
                 run = lambda out, paths, overlap=overlap, forward=forward: run_segment(  # noqa: E731
                     paths, checkpoint, out, args, overlap, device, None if forward is model else forward)
                 rows[f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})"] = timed(
                     lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder / letter,
                     args.repeat)
-        if args.files_at_once > 1:  # row c again, the next scene mapped while the last one is written
-            name = f"g. cloudseg segment, overlap 0.25 (batch {args.batch}), {args.files_at_once} files at once"
+        for codec in args.codecs:  # row c in another codec, then row g in each
+            if codec != geo.DEFAULT_CODEC and "c" in args.rows:
+                rows[f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), {codec}"] = timed(
+                    lambda out, codec=codec: run_segment(scenes, checkpoint, out, args, 0.25, device, compress=codec),
+                    lambda out, codec=codec: run_segment([warm], checkpoint, out, args, 0.25, device, compress=codec),
+                    folder / f"c-{codec}", args.repeat)
+        for codec in args.codecs if args.files_at_once > 1 else ():  # the next scene mapped while the last is written
+            name = (f"g. cloudseg segment, overlap 0.25 (batch {args.batch}), {args.files_at_once} files at once"
+                    + ("" if codec == geo.DEFAULT_CODEC else f", {codec}"))
             with unittest.mock.patch.object(segment_module, "FILES_AT_ONCE", args.files_at_once):
-                rows[name] = timed(lambda out: run_segment(scenes, checkpoint, out, args, 0.25, device),
-                                   lambda out: run_segment([warm], checkpoint, out, args, 0.25, device),
-                                   folder / "g", args.repeat)
+                rows[name] = timed(lambda out, codec=codec: run_segment(scenes, checkpoint, out, args, 0.25, device,
+                                                                        compress=codec),
+                                   lambda out, codec=codec: run_segment([warm], checkpoint, out, args, 0.25, device,
+                                                                        compress=codec),
+                                   folder / f"g-{codec}", args.repeat)
         written = sorted((folder / "c" / "run0").glob("*.tif"))  # row c's maps: the model's, blended
+        if args.writes and not written:
+            print("  writes alone: left out, row c was not timed (--rows)", flush=True)
+            args.writes = False
         writes = writes_alone(written, tuple(args.tile), args.repeat) if args.writes else None
         fixed = fixed_cost(warm, checkpoint, folder, args) if args.fixed_cost else None
     print_table(rows, args, device, load)
@@ -167,18 +186,19 @@ def print_table(rows: Rows, args, device: torch.device, load: float) -> None:
           "less the CPU seconds)")
     print("| row | seconds | CPU s | scenes/s | megapixels/s | speed-up |")
     print("|---|---|---|---|---|---|")
-    names = list(rows)
-    for index, (name, (seconds, cpu, _)) in enumerate(rows.items()):
-        naive_seconds = rows[names[index // 3 * 3 if index < 6 else 0]][0]
+    naive = {name[0]: seconds for name, (seconds, _, _) in rows.items() if "naive loop" in name}
+    for name, (seconds, cpu, _) in rows.items():
+        against = naive.get("d" if name[0] in "def" else "a")  # the naive loop with the same model
         print(f"| {name} | {seconds:.1f} | {cpu:.1f} | {args.scenes / seconds:.3f} | {megapixels / seconds:.2f} | "
-              f"{naive_seconds / seconds:.2f}x |")
+              f"{f'{against / seconds:.2f}x' if against else '-'} |")
     print("\nWhere each segment row's time went (its fastest run; seconds summed over the threads of a stage, "
           "see docs/segment.md):\n")
     print("| row | stages |")
     print("|---|---|")
     for name, (_, _, stages) in rows.items():
         if stages:
-            print(f"| {name[:2]} | {stages} |")
+            extra = name.partition(f" (batch {args.batch})")[2].lstrip(", ")  # files at once, codec
+            print(f"| {name[:2]}{f' {extra}' if extra else ''} | {stages} |")
 
 
 def parse_args():
@@ -190,6 +210,10 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=4, help="windows per batch of rows b and c")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is shown")
     parser.add_argument("--config", default="configs/demo.yaml", help="the model's architecture")
+    parser.add_argument("--log", action="store_true", help="segment's own log lines (loading time, rate)")
+    parser.add_argument("--rows", default="abcdef", help="which of rows a-f to time (row g: --files-at-once)")
+    parser.add_argument("--codecs", nargs="+", default=[geo.DEFAULT_CODEC], choices=list(geo.CODECS),
+                        help=f"row c again in each codec but the default ({geo.DEFAULT_CODEC}), then row g in each")
     parser.add_argument("--files-at-once", type=int, default=2, metavar="N",
                         help="then row c again with segment.FILES_AT_ONCE = N (1: not)")
     parser.add_argument("--writes", action=argparse.BooleanOptionalAction, default=True,
@@ -244,17 +268,19 @@ def naive(scenes: list[Path], model, tile, device: torch.device, out: Path) -> N
                     window_probs = predict_probs(model, pixels, zero_black=True)[0].cpu().numpy()
                     probs[:, top:top + window.height, left:left + window.width] = window_probs
             profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=4, dtype="uint8",
-                           crs=scene.crs, transform=scene.transform, compress="deflate", zlevel=1)
+                           crs=scene.crs, transform=scene.transform, **geo.CODECS[geo.DEFAULT_CODEC])
             with rasterio.open(out / path.name, "w", **profile) as written:
                 written.write(np.rint(probs * 254).astype(np.uint8))
 
 
 def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: float, device: torch.device,
-                forward=None) -> str:
+                forward=None, compress: str = geo.DEFAULT_CODEC) -> str:
     """`segment` on the checkpoint (loaded anew, as a call does), or the checkpoint's ensemble with
-    `forward` for its model (`segment_scenes`: loading apart); its stage line and timeline."""
+    `forward` for its model (`segment_scenes`: loading apart); its stage line and timeline, and how
+    long the call took before its first read and after its last write (loading, summaries)."""
     # On CUDA rows b and c compile: they stand for a job large enough that predict.compile=auto compiles.
-    options = SegmentOptions(tuple(args.tile), overlap)
+    options = SegmentOptions(tuple(args.tile), overlap, compress=compress)
+    start = time.perf_counter()
     overrides = [f"predict.batch_size={args.batch}", f"predict.compile={str(device.type == 'cuda').lower()}"]
     clock = StageClock()
     if forward is None:
@@ -266,11 +292,13 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
         failed = segment_scenes(scenes, ensemble._replace(forwards=[forward], compiling=False), out, options,
                                 clock=clock)
     assert failed == 0
-    return f"{clock.line(gpu=device.type == 'cuda')}; {clock.timeline()}"
+    first_read, last_end = clock.spans["read"][0], max(end for _, end in clock.spans.values())
+    return (f"{clock.line(gpu=device.type == 'cuda')}; {clock.timeline()}; the call: {first_read - start:.2f} s "
+            f"before its first read, {time.perf_counter() - last_end:.2f} s after its last write")
 
 
-# The rows of the writes-alone table, name -> (codec, in whole strips as segment writes): segment's deflate
-# and ZSTD, each with the horizontal predictor (PREDICTOR=2; GDAL options for this comparison only,
+# The rows of the writes-alone table, name -> (codec, in whole strips as segment writes): deflate and
+# segment's ZSTD, each with the horizontal predictor (PREDICTOR=2; GDAL options for this comparison only,
 # added to geo.CODECS while it runs), and each with every release written as it comes (geo.WholeStrips not used).
 WRITE_CODECS = {"deflate": ("deflate", True), "deflate, predictor": ("deflate-predictor", True),
                 "deflate, each release as it comes": ("deflate", False), "zstd": ("zstd", True),

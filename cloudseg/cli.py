@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     segment.add_argument("--outputs", default="probs,masks", metavar="LIST",
                          help="a GeoTIFF's bands, comma-separated: probs (4 probabilities), masks (4 masks), classbits "
                               "(1 band, bit k = class k's mask) (default probs,masks)")
-    segment.add_argument("--compress", default="deflate", metavar="CODEC",
-                         help="a GeoTIFF's codec: deflate (default: every TIFF reader), zstd, lerc or none")
+    segment.add_argument("--compress", metavar="CODEC",
+                         help="a GeoTIFF's codec: zstd (default: fastest; GDAL >= 2.3, QGIS, rasterio read it), deflate "
+                              "(every TIFF reader), lerc or none")
     segment.add_argument("--cog", action="store_true",
                          help="write each GeoTIFF as a Cloud-Optimized GeoTIFF (tiled, overviews; slower to write)")
     add_device_option(segment)
@@ -324,7 +325,7 @@ def run_predict(args) -> None:
 
 
 def run_segment(args) -> int:
-    from cloudseg.geo import TIME_PATTERN
+    from cloudseg.geo import DEFAULT_CODEC, TIME_PATTERN
     from cloudseg.segment import OVERLAP, SegmentOptions, segment
 
     if args.overlap is not None and not 0 <= args.overlap < 1:
@@ -333,7 +334,7 @@ def run_segment(args) -> int:
     scenes = [item for item in args.scenes if item not in overrides]
     options = SegmentOptions(args.tile and tuple(args.tile), OVERLAP if args.overlap is None else args.overlap,
                              args.grid, args.time_pattern or TIME_PATTERN, tuple(args.outputs.split(",")),
-                             args.compress.lower(), args.cog)
+                             (DEFAULT_CODEC if args.compress is None else args.compress).lower(), args.cog)
     failed = segment(scenes, args.checkpoint, args.out, options, postprocess_file=args.postprocess,
                      overrides=overrides, device=args.device)
     return min(failed, 100)  # the exit status: how many scenes failed (100 for 100 or more)

@@ -270,6 +270,10 @@ DEFAULT_OUTPUTS = ("probs", "masks")  # the eight bands `output_bands` makes, wr
 # test read other pixels than the plain map's (not reproduced in 20 runs): left out until explained.
 CODECS = {"deflate": dict(compress="deflate", zlevel=1), "zstd": dict(compress="zstd", zstd_level=1),
           "lerc": dict(compress="lerc", max_z_error=0), "none": dict(compress="none")}
+# ZSTD by default: read by every GDAL since 2.3 (2018), so by rasterio's wheels and QGIS 3; on an H100's
+# 16 cores it took segment's row c from 121.7 to 156.2 megapixels/s with under half the CPU (7.2 against
+# 16.7 s; BENCHMARKS.md, 2026-11-27). deflate for readers without it (a plain libtiff, MATLAB).
+DEFAULT_CODEC = "zstd"
 WRITE_THREADS = "ALL_CPUS"  # GDAL's compression threads (NUM_THREADS): blocks compressed in parallel
 # Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel (a COG keeps its driver's
 # default): deflate then sees one smooth band at a time and GDAL skips the interleaving copy. Eight
@@ -317,13 +321,14 @@ def check_codec(compress: str) -> None:
     except rasterio.errors.RasterioError as error:
         wrote = one_line(error)
     if wrote != f"it wrote {compress}":
-        raise ValueError(f"--compress {compress}: this GDAL ({rasterio.__gdal_version__}) cannot write it "
-                         f"({wrote}); choose another of {', '.join(CODECS)}")
+        default = " (the default)" if compress == DEFAULT_CODEC else ""
+        raise ValueError(f"--compress {compress}{default}: this GDAL ({rasterio.__gdal_version__}) cannot write it "
+                         f"({wrote}); choose another of {', '.join(codec for codec in CODECS if codec != compress)}")
 
 
 @contextlib.contextmanager
 def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = DEFAULT_OUTPUTS,
-                   compress: str = "deflate", cog: bool = False):
+                   compress: str = DEFAULT_CODEC, cog: bool = False):
     """A rasterio dataset for `path` with the scene's size, CRS and transform, the uint8 bands of
     `outputs` (`chosen_bands`), nodata NODATA, each band stored apart (INTERLEAVE; not in a COG),
     compressed by `compress` (CODECS) in GDAL's threads; written to a temporary file renamed over

@@ -59,9 +59,10 @@ OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighb
 RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their float32 and uint8 temporaries)
 # Files written at once, each scene's in a thread of its own (`Writer`): on an H100's 16 cores the writes
 # alone of two 7000x18000 maps ran 1.43x (deflate) and 1.98x (ZSTD) faster two at once than one after the
-# other (BENCHMARKS.md, 2026-11-27), where on 2 cores they gained nothing. 1 until segment's own rows are
-# measured with more (benchmarks/segment_speed.py's row g): then the next scene is mapped ahead of the
-# last one's writes, its encoded rows queued for them, up to WRITE_QUEUE_BYTES (and a strip per file).
+# other (BENCHMARKS.md, 2026-11-27), where on 2 cores they gained nothing; but segment itself, two files at
+# once (benchmarks/segment_speed.py's row g), ran 0.88-1.07x one at a time with deflate and 1.01x with ZSTD
+# on that H100: the next scene's reads and encodes take the cores. With more, the next scene is mapped ahead
+# of the last one's writes, its encoded rows queued for them, up to WRITE_QUEUE_BYTES (and a strip per file).
 FILES_AT_ONCE = 1
 WRITE_QUEUE_BYTES = 2**30
 # Batches of windows read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
@@ -264,7 +265,7 @@ class SegmentOptions:
     grid: float | None = None  # lat/lon cell size in degrees, or no grid
     time_pattern: str = geo.TIME_PATTERN  # where a scene's time is in its file name (see geo.scene_time)
     outputs: tuple[str, ...] = geo.DEFAULT_OUTPUTS  # a GeoTIFF's bands: of probs, masks, classbits (geo.OUTPUTS)
-    compress: str = "deflate"  # a GeoTIFF's codec: deflate, zstd, lerc or none (geo.CODECS)
+    compress: str = geo.DEFAULT_CODEC  # a GeoTIFF's codec: zstd, deflate, lerc or none (geo.CODECS)
     cog: bool = False  # a GeoTIFF written as a Cloud-Optimized GeoTIFF (tiled, with overviews)
 
     def check(self) -> None:

@@ -43,9 +43,10 @@ def test_bands_are_identical_whichever_codec_and_gdal_threads(tiny_ensemble, sce
                                                                compress, threads):
     """CPU. Would catch: a lossy codec setting (LERC with a tolerance), a codec option ignored (the
     file's compression is checked), or bands compressed in parallel blocks landing out of place
-    against the default one-call write (deflate, GDAL's threads)."""
+    against the default write (GDAL's threads), or the CLI's default codec not the documented one."""
     checkpoint, _ = tiny_ensemble
-    reference, _ = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "reference")
+    reference, (default_codec, _) = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "reference")
+    assert default_codec == geo.DEFAULT_CODEC == "zstd"  # docs/segment.md says why
     monkeypatch.setattr(geo, "WRITE_THREADS", threads)
     bands, (codec, _) = mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "out", "--compress", compress)
     assert codec == compress
@@ -78,10 +79,10 @@ def test_cog_is_a_cloud_optimized_geotiff_with_the_same_bands(tiny_ensemble, tmp
     write_geotiff(tmp_path / "in" / "scene.tif", image)
     plain, _ = mapped(monkeypatch, checkpoint, tmp_path / "in", tmp_path / "plain", "--outputs", "classbits")
     bits, _ = mapped(monkeypatch, checkpoint, tmp_path / "in", tmp_path / "cog", "--outputs", "classbits",
-                           "--cog", "--compress", "zstd")
+                           "--cog", "--compress", "deflate")  # not the default: --compress reaches the COG
     assert np.array_equal(bits, plain)
     with rasterio.open(tmp_path / "cog" / "scene.tif") as cog:
-        assert cog.tags(ns="IMAGE_STRUCTURE")["LAYOUT"] == "COG" and cog.compression.name.lower() == "zstd"
+        assert cog.tags(ns="IMAGE_STRUCTURE")["LAYOUT"] == "COG" and cog.compression.name.lower() == "deflate"
         assert cog.block_shapes[0] == (512, 512) and cog.overviews(1) == [2, 4]  # until under a block
         overview = cog.read(1, out_shape=(300, 550))
     assert set(np.unique(overview)) <= set(np.unique(plain))  # nearest neighbour: no new values
@@ -156,6 +157,12 @@ def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene
     geo.check_codec.cache_clear()
     with pytest.raises(ValueError, match=r"--compress lerc: this GDAL .* cannot write it"):
         geo.check_codec("lerc")
+    # the default unwritable: a user who never passed --compress is told it is the default, and what else
+    monkeypatch.setitem(geo.CODECS, geo.DEFAULT_CODEC, dict(compress="webp"))
+    geo.check_codec.cache_clear()
+    with pytest.raises(ValueError, match=rf"--compress {geo.DEFAULT_CODEC} \(the default\): this GDAL .* "
+                                         r"cannot write it .*; choose another of .*deflate"):
+        geo.check_codec(geo.DEFAULT_CODEC)
     geo.check_codec.cache_clear()
 
 
