@@ -22,9 +22,9 @@ read, which show how long the pipeline takes to fill and to drain.
 How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
 `make bench` maps 2 such scenes (rows a-f then about 60 s: the naive loops double), and the
-warm-ups, the loads, the first compile, row g, the writes alone (12 writes of the 252 megapixels and 12
-read-backs) and the fixed-cost calls come on top: the whole part took 218 s on the H100 on 2026-11-27,
-before row g and 4 of those writes were added.
+warm-ups, the loads, the first compile, row g, the writes alone (10 writes of the 252 megapixels and 10
+read-backs) and the fixed-cost calls come on top: the whole part took 251 s on the H100 on 2026-11-27
+(with 12 writes).
 This CPU's default sizes: 2-4 minutes.
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
@@ -42,11 +42,12 @@ GPU window. A segment row's stage line ends with how long the call took before i
 
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
 them on a GPU (`geo.geotiff_writer`, a row of windows at a time in whole strips, GDAL's cache
-capped), with deflate and ZSTD (the default), each also with the horizontal predictor and with each
-release written as it comes (not in whole strips), one file after another in one thread, then
-every scene's file at once in a thread each. What the writer
+capped), with deflate and ZSTD (the default), ZSTD also with the horizontal predictor and in strips
+of 64 and 256 rows (segment's are 16: fewer, larger blocks for GDAL's one writing thread), one file
+after another in one thread, then every scene's file at once in a thread each. What the writer
 alone allows segment where its stage line says `bound by: write`, and whether files written in
-parallel would raise it.
+parallel, or larger strips, would raise it. (The H100 of 2026-11-27 measured the rest: deflate with
+the predictor, and each release written as it comes, not in whole strips: BENCHMARKS.md.)
 
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
 processes on one window-sized scene (imports, loading; no compiling: auto does not compile for
@@ -72,7 +73,6 @@ import sys
 import tempfile
 import time
 import unittest.mock
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -297,13 +297,13 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
             f"before its first read, {time.perf_counter() - last_end:.2f} s after its last write")
 
 
-# The rows of the writes-alone table, name -> (codec, in whole strips as segment writes): deflate and
-# segment's ZSTD, each with the horizontal predictor (PREDICTOR=2; GDAL options for this comparison only,
-# added to geo.CODECS while it runs), and each with every release written as it comes (geo.WholeStrips not used).
-WRITE_CODECS = {"deflate": ("deflate", True), "deflate, predictor": ("deflate-predictor", True),
-                "deflate, each release as it comes": ("deflate", False), "zstd": ("zstd", True),
-                "zstd, predictor": ("zstd-predictor", True), "zstd, each release as it comes": ("zstd", False)}
-COMPARED_CODECS = {f"{codec}-predictor": {**geo.CODECS[codec], "predictor": 2} for codec in ("deflate", "zstd")}
+# The rows of the writes-alone table, name -> (codec, rows a strip): deflate and segment's ZSTD, in its
+# strips (geo.OUTPUT_STRIP_ROWS), then ZSTD with the horizontal predictor (PREDICTOR=2; GDAL options for
+# this comparison only, added to geo.CODECS while it runs) and in larger strips; always in whole strips.
+WRITE_CODECS = {"deflate": ("deflate", geo.OUTPUT_STRIP_ROWS), "zstd": ("zstd", geo.OUTPUT_STRIP_ROWS),
+                "zstd, predictor": ("zstd-predictor", geo.OUTPUT_STRIP_ROWS),
+                "zstd, strips of 64 rows": ("zstd", 64), "zstd, strips of 256 rows": ("zstd", 256)}
+COMPARED_CODECS = {"zstd-predictor": {**geo.CODECS["zstd"], "predictor": 2}}
 
 
 def writes_alone(maps: list[Path], tile: tuple[int, int],
@@ -324,32 +324,34 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
             scenes.append(SimpleNamespace(width=source.width, height=source.height, crs=source.crs,
                                           transform=source.transform))
 
-    def write(index: int, codec: str, whole: bool, out: Path) -> Path:
+    def write(index: int, codec: str, out: Path) -> Path:
         height = scenes[index].height
         tops = [*tiling(height, scenes[index].width, tile, OVERLAP).tops[1:], height]  # as blended_rows releases
         with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
-            write_rows = geo.WholeStrips(written, height).write if whole else partial(geo.write_geotiff_rows, written)
+            strips = geo.WholeStrips(written, height)
             for top, bottom in zip([0, *tops], tops):
-                write_rows(top, bands[index][:, top:bottom])
+                strips.write(top, bands[index][:, top:bottom])
         return out / maps[index].name
 
     results = {}
     with (tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB),
           unittest.mock.patch.dict(geo.CODECS, COMPARED_CODECS)):
-        for name, (codec, whole) in WRITE_CODECS.items():
+        for name, (codec, strip_rows) in WRITE_CODECS.items():
             for at_once in sorted({1, len(maps)}):
                 times = []
                 for run in range(repeat):
-                    out = Path(folder) / f"{codec}-{whole}-{at_once}-{run}"
+                    out = Path(folder) / f"{codec}-{strip_rows}-{at_once}-{run}"
                     out.mkdir()
                     start, cpu = time.perf_counter(), time.process_time()
-                    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
-                        paths = list(pool.map(lambda index: write(index, codec, whole, out), range(len(maps))))
+                    with (concurrent.futures.ThreadPoolExecutor(at_once) as pool,
+                          unittest.mock.patch.object(geo, "OUTPUT_STRIP_ROWS", strip_rows)):
+                        paths = list(pool.map(lambda index: write(index, codec, out), range(len(maps))))
                     times.append((time.perf_counter() - start, time.process_time() - cpu,
                                   sum(path.stat().st_size for path in paths) / 1e6))
                     for path, expected in zip(paths if run == 0 else [], bands):
                         with rasterio.open(path) as check:
                             assert np.array_equal(check.read(), expected), f"{path}: not the map's bands"
+                            assert check.block_shapes[0][0] == min(strip_rows, check.height), f"{path}: other strips"
                     shutil.rmtree(out)
                 results[name, at_once] = min(times)
                 print(f"  measured writes alone, {name}, {at_once} at once: {results[name, at_once][0]:.2f} s",

@@ -160,8 +160,8 @@ def test_segment_benchmark_prints_its_table():
     assert all(" — bound by: " in line and "; from the first read: read 0.00 to " in line for line in stages)
     writes = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
     assert writes == [[f"| {codec}", at_once] for codec in (
-        "deflate", "deflate, predictor", "deflate, each release as it comes", "zstd", "zstd, predictor",
-        "zstd, each release as it comes") for at_once in ("1", "2")]
+        "deflate", "zstd", "zstd, predictor", "zstd, strips of 64 rows", "zstd, strips of 256 rows")
+        for at_once in ("1", "2")]
 
 
 @pytest.mark.slow  # three new processes that import cloudseg: about 45 s on 2 cores
