@@ -51,8 +51,11 @@ the predictor, and each release written as it comes, not in whole strips: BENCHM
 
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
 processes on one window-sized scene (imports, loading; no compiling: auto does not compile for
-one scene), the imports alone, and on CUDA two calls that compile (predict.compile=true), the
-second taking its compile from inductor's cache.
+one scene), the imports alone, and where the second call's time went (imports, loading and mapping
+from its own log, the rest); a call without cuDNN's algorithm search for each new batch shape
+(cudnn.benchmark off), split the same way: what that search costs a short job on a GPU; on CUDA
+then two calls that compile (predict.compile=true), the second taking its compile from inductor's
+cache.
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
        --batch B --config FILE --device D --files-at-once N --codecs C [C ...] --rows LETTERS --log
@@ -67,6 +70,7 @@ import datetime
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -372,25 +376,54 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
     """Seconds of two `cloudseg segment` calls on `scene` in new processes, one after the other,
     and of a process that only imports cloudseg.segment; on CUDA then two calls that compile
     (predict.compile=true; auto does not for one scene), the second from inductor's cache, which
-    starts empty for the first."""
-    def seconds(*command, env=None) -> float:
+    starts empty for the first. Between them a call without cuDNN's algorithm search (SEARCHLESS),
+    and where the second call's time went and the searchless call's, from their own logs."""
+    logs = []
+
+    def seconds(*command, env=None, label="") -> float:
         start = time.perf_counter()
-        subprocess.run([sys.executable, *command], check=True, capture_output=True, env=env)
+        done = subprocess.run([sys.executable, *command], check=True, capture_output=True, text=True, env=env)
         took = time.perf_counter() - start
-        print(f"  measured a new process: {' '.join(command[:3])}{' (compiling)' if env else ''}: {took:.1f} s",
-              flush=True)
+        logs.append(done.stderr)
+        print(f"  measured a new process: {' '.join(command[:3])}{label}: {took:.1f} s", flush=True)
         return took
 
     call = ["-m", "cloudseg", "segment", str(scene), "--checkpoint", str(checkpoint), "--postprocess", "none",
             "--device", args.device]
     first, second = (seconds(*call, "--out", str(folder / f"fixed{index}")) for index in range(2))
+    second_log = logs[-1]
     imports = seconds("-c", "import cloudseg.segment")
+    print(f"  the second call: {call_split(second, imports, second_log)}", flush=True)
+    searchless = seconds("-c", SEARCHLESS, *call[2:], "--out", str(folder / "searchless"),
+                         label=" (no cuDNN search: on a CPU, the same call)")
+    print(f"  without cuDNN's search: {call_split(searchless, imports, logs[-1])}", flush=True)
     if resolve_device(args.device).type != "cuda":
         return first, second, imports
     cache = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
     compiling = [*call[:4], "predict.compile=true", *call[4:]]  # overrides come right after the scenes
-    return first, second, imports, *(seconds(*compiling, "--out", str(folder / f"compiled{index}"), env=cache)
-                                     for index in range(2))
+    return first, second, imports, *(seconds(*compiling, "--out", str(folder / f"compiled{index}"), env=cache,
+                                             label=" (compiling)") for index in range(2))
+
+
+# `cloudseg segment` with predict's speed_switches a no-op, so that cudnn.benchmark stays off (PyTorch's
+# default): no algorithm search for each new batch shape. No option of segment's does this (predict sets
+# the switches whatever train.deterministic says), hence a process that patches it and runs the CLI.
+SEARCHLESS = ("import runpy, sys; import cloudseg.predict as predict; "
+              "predict.speed_switches = lambda *args, **kw: None; "
+              "sys.argv[0] = 'cloudseg'; runpy.run_module('cloudseg', run_name='__main__')")
+
+
+def call_split(seconds: float, imports: float, log: str) -> str:
+    """Where a `cloudseg segment` call's `seconds` went, from its log (the checkpoint's loading, the
+    scenes' mapping) and a process's `imports`: the rest is Python's start, the GPU's context, the
+    summaries."""
+    loading = re.search(r"loaded on \S+ in ([\d.]+) s", log)
+    mapping = re.search(r"\(process 0, ([\d.]+) s\)", log)
+    if not (loading and mapping):
+        return f"{seconds:.1f} s (its log did not say how long loading and mapping took)"
+    load, scenes = float(loading[1]), float(mapping[1])
+    return (f"{seconds:.1f} s = imports {imports:.1f} + loading {load:.1f} + mapping {scenes:.1f} (the first "
+            f"batches' cuDNN search, if any, included) + the rest {seconds - imports - load - scenes:.1f}")
 
 
 if __name__ == "__main__":
