@@ -23,8 +23,8 @@ How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --wi
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
 `make bench` maps 2 such scenes (rows a-f then about 60 s: the naive loops double), and the
 warm-ups, the loads, the first compile, row g, the writes alone (10 writes of the 252 megapixels and 10
-read-backs) and the fixed-cost calls come on top: the whole part took 251 s on the H100 on 2026-11-27
-(with 12 writes).
+read-backs) and the fixed-cost calls (six new processes, 15-40 s each there) come on top: the whole part
+took 251 s on the H100 on 2026-11-27, with 12 writes and five of those processes.
 This CPU's default sizes: 2-4 minutes.
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
@@ -68,6 +68,7 @@ import argparse
 import concurrent.futures
 import datetime
 import logging
+import math
 import os
 import platform
 import re
@@ -380,12 +381,17 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
     and where the second call's time went and the searchless call's, from their own logs."""
     logs = []
 
-    def seconds(*command, env=None, label="") -> float:
+    def seconds(*command, env=None, name=None) -> float:
+        """The wall seconds of `python COMMAND` (NaN, its stderr's end printed, if it fails)."""
+        name = name or " ".join(command[:3])
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, *command], check=True, capture_output=True, text=True, env=env)
+        done = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env)
         took = time.perf_counter() - start
         logs.append(done.stderr)
-        print(f"  measured a new process: {' '.join(command[:3])}{label}: {took:.1f} s", flush=True)
+        if done.returncode:
+            print(f"  failed, a new process: {name} (exit {done.returncode}): {done.stderr[-600:]}", flush=True)
+            return math.nan
+        print(f"  measured a new process: {name}: {took:.1f} s", flush=True)
         return took
 
     call = ["-m", "cloudseg", "segment", str(scene), "--checkpoint", str(checkpoint), "--postprocess", "none",
@@ -395,14 +401,14 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
     imports = seconds("-c", "import cloudseg.segment")
     print(f"  the second call: {call_split(second, imports, second_log)}", flush=True)
     searchless = seconds("-c", SEARCHLESS, *call[2:], "--out", str(folder / "searchless"),
-                         label=" (no cuDNN search: on a CPU, the same call)")
+                         name="-m cloudseg segment (cudnn.benchmark off)")
     print(f"  without cuDNN's search: {call_split(searchless, imports, logs[-1])}", flush=True)
     if resolve_device(args.device).type != "cuda":
         return first, second, imports
     cache = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
     compiling = [*call[:4], "predict.compile=true", *call[4:]]  # overrides come right after the scenes
     return first, second, imports, *(seconds(*compiling, "--out", str(folder / f"compiled{index}"), env=cache,
-                                             label=" (compiling)") for index in range(2))
+                                             name="-m cloudseg segment (compiling)") for index in range(2))
 
 
 # `cloudseg segment` with predict's speed_switches a no-op, so that cudnn.benchmark stays off (PyTorch's
@@ -414,16 +420,17 @@ SEARCHLESS = ("import runpy, sys; import cloudseg.predict as predict; "
 
 
 def call_split(seconds: float, imports: float, log: str) -> str:
-    """Where a `cloudseg segment` call's `seconds` went, from its log (the checkpoint's loading, the
-    scenes' mapping) and a process's `imports`: the rest is Python's start, the GPU's context, the
-    summaries."""
+    """Where a `cloudseg segment` call's `seconds` went, from its log and a new process's `imports`
+    (Python's start included): loading (the checkpoint, and the GPU's context made for it), mapping
+    (the scenes and the summaries, the first batches' cuDNN search included), and the rest (the
+    command line, the options' checks, finding the scenes, the interpreter's and CUDA's exit)."""
     loading = re.search(r"loaded on \S+ in ([\d.]+) s", log)
     mapping = re.search(r"\(process 0, ([\d.]+) s\)", log)
     if not (loading and mapping):
         return f"{seconds:.1f} s (its log did not say how long loading and mapping took)"
     load, scenes = float(loading[1]), float(mapping[1])
-    return (f"{seconds:.1f} s = imports {imports:.1f} + loading {load:.1f} + mapping {scenes:.1f} (the first "
-            f"batches' cuDNN search, if any, included) + the rest {seconds - imports - load - scenes:.1f}")
+    return (f"{seconds:.1f} s = imports {imports:.1f} + loading {load:.1f} + mapping {scenes:.1f} + the rest "
+            f"{seconds - imports - load - scenes:.1f}")
 
 
 if __name__ == "__main__":
