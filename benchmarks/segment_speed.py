@@ -78,6 +78,7 @@ import sys
 import tempfile
 import time
 import unittest.mock
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,6 +120,15 @@ def main() -> None:
         warm = write_scene(folder / "warm" / "warm.tif", args.tile[0] * 2, args.tile[1] * 2, 99)
         model, _ = load_model(checkpoint, device)
         rows = Rows(args.scenes * args.height * args.width / 1e6)
+
+        def segment_row(name: str, where: str, overlap: float = 0.25, forward=None,
+                        compress: str = geo.DEFAULT_CODEC) -> None:
+            """Row `name`: `run_segment` on the scenes into folder/where, each run after a warm-up scene."""
+            run = partial(run_segment, checkpoint=checkpoint, args=args, overlap=overlap, device=device,
+                          forward=forward, compress=compress)
+            rows[name] = timed(lambda out: run(scenes, out=out), lambda out: run([warm], out=out), folder / where,
+                               args.repeat)
+
         for letters, name, forward in (("abc", "", model), ("def", ", no model", Constant())):
             if letters[0] in args.rows:
                 rows[f"{letters[0]}. naive loop{name} (batch 1, no overlap)"] = timed(
@@ -126,28 +136,18 @@ def main() -> None:
                     lambda out, forward=forward: naive([warm], forward, args.tile, device, out), folder / letters[0],
                     args.repeat)
             for letter, overlap in zip(letters[1:], (0.0, 0.25)):
-                if letter not in args.rows:
-                    continue
-                run = lambda out, paths, overlap=overlap, forward=forward: run_segment(  # noqa: E731
-                    paths, checkpoint, out, args, overlap, device, None if forward is model else forward)
-                rows[f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})"] = timed(
-                    lambda out, run=run: run(out, scenes), lambda out, run=run: run(out, [warm]), folder / letter,
-                    args.repeat)
+                if letter in args.rows:
+                    segment_row(f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})", letter,
+                                overlap, None if forward is model else forward)
         for codec in args.codecs:  # row c in another codec, then row g in each
             if codec != geo.DEFAULT_CODEC and "c" in args.rows:
-                rows[f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), {codec}"] = timed(
-                    lambda out, codec=codec: run_segment(scenes, checkpoint, out, args, 0.25, device, compress=codec),
-                    lambda out, codec=codec: run_segment([warm], checkpoint, out, args, 0.25, device, compress=codec),
-                    folder / f"c-{codec}", args.repeat)
+                segment_row(f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), {codec}", f"c-{codec}",
+                            compress=codec)
         for codec in args.codecs if args.files_at_once > 1 else ():  # the next scene mapped while the last is written
             name = (f"g. cloudseg segment, overlap 0.25 (batch {args.batch}), {args.files_at_once} files at once"
                     + ("" if codec == geo.DEFAULT_CODEC else f", {codec}"))
             with unittest.mock.patch.object(segment_module, "FILES_AT_ONCE", args.files_at_once):
-                rows[name] = timed(lambda out, codec=codec: run_segment(scenes, checkpoint, out, args, 0.25, device,
-                                                                        compress=codec),
-                                   lambda out, codec=codec: run_segment([warm], checkpoint, out, args, 0.25, device,
-                                                                        compress=codec),
-                                   folder / f"g-{codec}", args.repeat)
+                segment_row(name, f"g-{codec}", compress=codec)
         written = sorted((folder / "c" / "run0").glob("*.tif"))  # row c's maps: the model's, blended
         if args.writes and not written:
             print("  writes alone: left out, row c was not timed (--rows)", flush=True)
