@@ -20,23 +20,20 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="--ignore tests/test_notebooks.py"  # nbformat may be absent
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$OUT/gpu.txt" 2>&1
-echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset}" >>"$OUT/gpu.txt"
-# A user's install compiles bytecode (pip's default, make install's UV_COMPILE_BYTECODE); a preinstalled
-# torch without it would add its source compile to every new process's imports: counted, timed, then compiled
-# where writable, so the import and fixed-cost rows are a user's.
+# A user's install compiles bytecode (pip's default, make install's --compile-bytecode); a preinstalled torch
+# without it would add compiling its sources to every new process's imports, where Python may not write
+# them (PYTHONDONTWRITEBYTECODE): counted, timed, then compiled where writable, so the import and
+# fixed-cost rows are a user's.
 imports() { local TIMEFORMAT="import cloudseg.segment $1: %R s"; { time python3 -c "import cloudseg.segment"; } 2>&1; }
-python3 - >>"$OUT/gpu.txt" 2>&1 <<'PY'
-import importlib.util, pathlib
-for name in ("torch", "torchvision", "timm"):
-    folder = pathlib.Path(importlib.util.find_spec(name).origin).parent
-    print(name, folder, sum(1 for _ in folder.rglob("*.py")), ".py files,", sum(1 for _ in folder.rglob("*.pyc")), ".pyc files")
-PY
+bytecode() { python3 -c "from benchmarks.import_time import bytecode_state; print(bytecode_state())"; }
+bytecode >>"$OUT/gpu.txt" 2>&1
 imports "before compileall" >>"$OUT/gpu.txt"
 for name in torch torchvision timm; do
   folder=$(python3 -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('$name').origin).parent)")
   [ -w "$folder" ] && python3 -m compileall -q -j 0 "$folder" >/dev/null 2>&1
 done
 imports "after compileall" >>"$OUT/gpu.txt"
+bytecode >>"$OUT/gpu.txt" 2>&1
 python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'smp', smp.__version__)" >>"$OUT/gpu.txt" 2>&1
 
 # Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow),

@@ -61,6 +61,24 @@ def run(checkout: Path, arguments: list[str], module: str) -> tuple[float, float
     return seconds, cpu, cumulative, {name for name in HEAVY if name in loaded}, packages
 
 
+def bytecode_state(packages=("torch", "torchvision", "timm")) -> str:
+    """How many of each package's modules have their bytecode compiled for this Python: where
+    Python may not write that cache (PYTHONDONTWRITEBYTECODE), each process compiles the others'
+    sources again, seconds that a user's install (pip's, `make install`'s) does not pay."""
+    import importlib.util
+
+    counts = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        sources = list(Path(spec.origin).parent.rglob("*.py"))
+        compiled = sum(Path(importlib.util.cache_from_source(str(path))).exists() for path in sources)
+        counts.append(f"{name} {compiled} of {len(sources)}")
+    return ("modules with bytecode: " + ", ".join(counts) +
+            f"; PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', 'unset')}")
+
+
 def children_cpu_seconds() -> float:
     """CPU seconds of this process's finished children: what a run costs, less what other
     processes on the machine take from its wall-clock time."""
@@ -98,6 +116,7 @@ def print_table(results: dict, checkouts: dict, args, load: float) -> None:
     print(f"imports, {datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, Python {platform.python_version()}; fastest of {args.repeat} by CPU s; load average "
           f"before: {load:.1f}")
+    print(bytecode_state())
     labels = list(checkouts)
     header = " | ".join(f"{label}: wall s, CPU s (importtime s)" for label in labels)
     print(f"| row | {header} | {'CPU speed-up | ' if len(labels) > 1 else ''}heavy modules loaded |")

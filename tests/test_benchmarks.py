@@ -3,13 +3,14 @@ CPU, named: the rows and defaults that the tests expect are the CPU's (on a GPU 
 benchmark prints bf16 and fp16 rows instead of fp32 ones)."""
 
 import json
+import py_compile
 import re
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks import train_speed
+from benchmarks import import_time, train_speed
 from benchmarks.train_speed import kernel_family, winning
 from cloudseg.config import load_config
 
@@ -177,6 +178,20 @@ def test_segment_benchmark_reports_a_call_s_fixed_cost():
     assert re.search(r"without cuDNN's search: [\d.]+ s = imports .* \+ mapping ", out)  # the patched call ran
 
 
+def test_bytecode_state_counts_the_modules_compiled_for_this_python(tmp_path, monkeypatch):
+    """CPU. Would catch: counting sources instead of their bytecode, or looking for it where this
+    Python does not (beside the source rather than in __pycache__ under its cache tag)."""
+    package = tmp_path / "probe_of_bytecode"
+    package.mkdir()
+    for name in ("__init__.py", "compiled.py", "also_compiled.py", "not_compiled.py"):
+        (package / name).write_text("x = 1\n")
+    for name in ("compiled.py", "also_compiled.py"):
+        py_compile.compile(str(package / name), doraise=True)  # where an import would look for it
+    (package / "not_compiled.pyc").write_bytes(b"")  # beside its source: the legacy place, not read here
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "probe_of_bytecode 2 of 4" in import_time.bytecode_state(("probe_of_bytecode",))
+
+
 @pytest.mark.slow  # four new processes that import cloudseg's commands
 def test_import_benchmark_prints_its_table():
     """Would catch: a row missing, a heavy module not reported (segment's --help loads no torch)."""
@@ -185,3 +200,4 @@ def test_import_benchmark_prints_its_table():
         assert f"| {row} |" in out
     assert "| cloudseg segment --help | " in out and "| none |" in out and "tensorboard" in out
     assert re.search(r"^- import cloudseg.segment: .*[:,] torch \d+\.\d\d", out, re.M)  # where its seconds go
+    assert re.search(r"^modules with bytecode: torch \d+ of \d+", out, re.M)
