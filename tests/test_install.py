@@ -28,11 +28,17 @@ def test_default_install_keeps_the_pinned_build(tmp_path):
 @pytest.mark.parametrize("backend", ["", "cu126"])
 def test_the_install_compiles_bytecode(tmp_path, backend):
     """Catches an install that leaves bytecode to the first import (uv's default): where Python
-    may not write it, every new process compiles torch's sources again (24 s for a one-image
-    segment call on 2 cores instead of 9)."""
+    may not write it, every new process compiles torch's sources again."""
     installs = [line for line in planned_install(tmp_path / "venv", f"TORCH_BACKEND={backend}").splitlines()
                 if " pip install " in line]
     assert installs and all("--compile-bytecode" in line for line in installs)
+
+
+def test_every_uv_install_compiles_bytecode():
+    """Catches a target (test-oldest, the kaggle or lab extras) installing with uv directly, which
+    would leave its packages' bytecode to the first import."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(UV_PIP)" in makefile and "$(UV) pip install" not in makefile
 
 
 def test_a_backend_installs_torch_from_it_without_the_pins_of_the_default_build(tmp_path):
