@@ -23,7 +23,7 @@ How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --wi
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
 `make bench` maps 2 such scenes (rows a-f then about 60 s: the naive loops double), and the
 warm-ups, the loads, the first compile, row g, the writes alone (10 writes of the 252 megapixels and 10
-read-backs) and the fixed-cost calls (six new processes, 15-40 s each there) come on top: the whole part
+read-backs) and the fixed-cost calls (seven new processes, 15-40 s each there) come on top: the whole part
 took 251 s on the H100 on 2026-11-27, with 12 writes and five of those processes.
 This CPU's default sizes: 2-4 minutes.
 
@@ -375,7 +375,8 @@ def print_writes(writes, megapixels: float, files: int) -> None:
 
 def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, ...]:
     """Seconds of two `cloudseg segment` calls on `scene` in new processes, one after the other,
-    and of a process that only imports cloudseg.segment; on CUDA then two calls that compile
+    and of a process that only imports cloudseg.segment (and ends without the interpreter's exit,
+    timed apart); on CUDA then two calls that compile
     (predict.compile=true; auto does not for one scene), the second from inductor's cache, which
     starts empty for the first. Between them a call without cuDNN's algorithm search (SEARCHLESS),
     and where the second call's time went and the searchless call's, from their own logs."""
@@ -398,7 +399,11 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
             "--device", args.device]
     first, second = (seconds(*call, "--out", str(folder / f"fixed{index}")) for index in range(2))
     second_log = logs[-1]
-    imports = seconds("-c", "import cloudseg.segment")
+    # the imports alone: the process ends at once (os._exit), not through CPython's finalization, which
+    # frees every module's objects (1.3 s of a 2-core VM's 7.9 s): timed apart, as the interpreter's exit
+    imports = seconds("-c", "import os, cloudseg.segment; os._exit(0)", name="-c import cloudseg.segment (os._exit)")
+    exiting = seconds("-c", "import cloudseg.segment") - imports
+    print(f"  the interpreter's exit after those imports: {exiting:.1f} s", flush=True)
     print(f"  the second call: {call_split(second, imports, second_log)}", flush=True)
     searchless = seconds("-c", SEARCHLESS, *call[2:], "--out", str(folder / "searchless"),
                          name="-m cloudseg segment (cudnn.benchmark off)")
@@ -421,9 +426,10 @@ SEARCHLESS = ("import runpy, sys; import cloudseg.predict as predict; "
 
 def call_split(seconds: float, imports: float, log: str) -> str:
     """Where a `cloudseg segment` call's `seconds` went, from its log and a new process's `imports`
-    (Python's start included): loading (the checkpoint, and the GPU's context made for it), mapping
-    (the scenes and the summaries, the first batches' cuDNN search included), and the rest (the
-    command line, the options' checks, finding the scenes, the interpreter's and CUDA's exit)."""
+    (Python's start included, its exit not): loading (the checkpoint, and the GPU's context made for
+    it), mapping (the scenes and the summaries, the first batches' cuDNN search included), and the
+    rest (the command line, the options' checks, finding the scenes, the interpreter's and CUDA's
+    exit)."""
     loading = re.search(r"loaded on \S+ in ([\d.]+) s", log)
     mapping = re.search(r"\(process 0, ([\d.]+) s\)", log)
     if not (loading and mapping):

@@ -172,6 +172,7 @@ def test_segment_benchmark_reports_a_call_s_fixed_cost():
     out = run(*SEGMENT_SPEED)
     assert "fixed cost of a call" in out and "a second call" in out and "of which imports" in out
     assert "failed, a new process" not in out
+    assert re.search(r"the interpreter's exit after those imports: -?[\d.]+ s", out)
     split = re.search(r"the second call: ([\d.]+) s = imports ([\d.]+) \+ loading ([\d.]+) \+ mapping ([\d.]+) "
                       r"\+ the rest (-?[\d.]+)", out)  # read from the call's own log
     assert split, "the call's log no longer says how long loading and mapping took"
