@@ -45,6 +45,14 @@ def test_logits_come_back_at_the_input_size(arch, size):
         assert model(torch.zeros(2, 3, *size, dtype=torch.uint8)).shape == (2, 4, *size)
 
 
+def counted_builds(monkeypatch) -> list[str]:
+    """The default device of each `build_model` call that `loaded_model` makes, in order."""
+    builds = []
+    monkeypatch.setattr(model_module, "build_model", lambda *args, **kw: builds.append(
+        torch.empty(0).device.type) or build_model(*args, **kw))
+    return builds
+
+
 @pytest.mark.parametrize("arch, options", [("unet", {}), ("unetplusplus", {"cls_head": True}), ("fpn", {"norm": "group"})])
 def test_a_model_loaded_from_weights_is_built_on_meta_and_equals_one_built_then_loaded(arch, options, monkeypatch):
     """CPU. Would catch: a tensor left on the meta device (CloudNet's unsaved mean and std were,
@@ -55,9 +63,7 @@ def test_a_model_loaded_from_weights_is_built_on_meta_and_equals_one_built_then_
     weights = build_model(small_config(arch, **options)).state_dict()
     reference = build_model(small_config(arch, **options)).eval()
     reference.load_state_dict(weights)
-    builds = []
-    monkeypatch.setattr(model_module, "build_model", lambda *args, **kw: builds.append(
-        torch.empty(0).device.type) or build_model(*args, **kw))
+    builds = counted_builds(monkeypatch)
     model = loaded_model(small_config(arch, **options), weights, "best.pt").eval()
     assert builds == ["meta"]  # one build, on the meta device
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -75,9 +81,7 @@ def test_an_encoder_that_cannot_be_built_on_meta_is_built_as_usual(monkeypatch):
     config = ModelConfig(encoder="mit_b0", encoder_weights=None, decoder_channels=(16, 8, 8, 8, 8))
     torch.manual_seed(0)
     reference = build_model(config).eval()
-    builds = []
-    monkeypatch.setattr(model_module, "build_model", lambda *args, **kw: builds.append(
-        torch.empty(0).device.type) or build_model(*args, **kw))
+    builds = counted_builds(monkeypatch)
     model = loaded_model(config, reference.state_dict(), "best.pt").eval()
     assert builds == ["meta", "cpu"]  # the meta build failed: the usual one followed
     images = torch.randint(0, 256, (1, 3, 64, 96), dtype=torch.uint8)
