@@ -72,10 +72,17 @@ class ImageScene:
         """H×W×3 uint8 RGB on the host (a copy from the GPU once, for the overlay)."""
         return self.pixels.permute(1, 2, 0).cpu().numpy()
 
-    def read(self, top: int, left: int, height: int, width: int) -> tuple[torch.Tensor, None]:
-        """The window's 3×h×w uint8 RGB pixels (a view, on the scene's device) and no mask of the
-        file's own (no-data is black, see `segment`)."""
-        return self.pixels[:, top:top + height, left:left + width], None
+    @property
+    def device(self) -> torch.device:
+        return self.pixels.device
+
+    def read(self, top: int, left: int, height: int, width: int,
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """The window's 3×h×w uint8 RGB pixels (a view, on the scene's device; copied into `out`
+        and returned as it, where given) and no mask of the file's own (no-data is black, see
+        `segment`)."""
+        pixels = self.pixels[:, top:top + height, left:left + width]
+        return (pixels if out is None else out.copy_(pixels)), None
 
     def close(self) -> None:
         pass
@@ -104,6 +111,8 @@ class GeoTiffScene:
     """A GeoTIFF scene read window by window (memory bounded by the window, not the scene).
     No-data: the file's nodata value, mask or alpha band (GDAL's dataset mask), and black pixels."""
 
+    device = torch.device("cpu")  # where its windows are read to
+
     def __init__(self, path: Path):
         rasterio = geo_module("rasterio")
         self.path = path
@@ -124,13 +133,16 @@ class GeoTiffScene:
         self.handles, self.local, self.lock = [self.dataset], threading.local(), threading.Lock()
         self.local.dataset = self.dataset
 
-    def read(self, top: int, left: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The window's 3×h×w uint8 RGB pixels and, where the file marks no-data (a nodata value,
-        a mask or alpha band: GDAL's dataset mask), its h×w mask of valid pixels (else None). Any
-        thread: each reads through a GDAL handle of its own (one handle is not safe to share)."""
+    def read(self, top: int, left: int, height: int, width: int,
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The window's 3×h×w uint8 RGB pixels (inflated straight into `out`, a host tensor of
+        that shape, and returned as it, where given) and, where the file marks no-data (a nodata
+        value, a mask or alpha band: GDAL's dataset mask), its h×w mask of valid pixels (else
+        None). Any thread: each reads through a GDAL handle of its own (one is not safe to share)."""
         dataset = getattr(self.local, "dataset", None) or self.opened()
         window = geo_module("rasterio.windows").Window(left, top, width, height)
-        pixels = torch.from_numpy(dataset.read((1, 2, 3), window=window))
+        pixels = dataset.read((1, 2, 3), window=window, out=None if out is None else out.numpy())
+        pixels = torch.from_numpy(pixels) if out is None else out
         if not self.masked:
             return pixels, None
         return pixels, torch.from_numpy(dataset.dataset_mask(window=window) > 0)

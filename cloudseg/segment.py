@@ -191,15 +191,19 @@ def prefetched(function, items: list, ahead: int = 1):
 
 
 def read_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The windows `boxes` (top, left, height, width) of `scene` as one N×3×h×w uint8 batch, and
-    the file's N×h×w masks of valid pixels (None where the file marks none); in pinned memory
-    with `pin` (a GPU then copies them without a host sync)."""
-    pieces = [scene.read(*box) for box in boxes]
-    images = torch.stack([pixels for pixels, _ in pieces])
-    masks = None if pieces[0][1] is None else torch.stack([mask for _, mask in pieces])
-    if pin and images.device.type == "cpu":
-        images, masks = images.pin_memory(), None if masks is None else masks.pin_memory()
-    return images, masks
+    """The windows `boxes` (top, left, height, width; one size) of `scene` as one N×3×h×w uint8
+    batch, and the file's N×h×w masks of valid pixels (None where the file marks none); in pinned
+    memory with `pin` (a GPU then copies them without a host sync). Each window is read straight
+    into the batch: no copy of the pixels between the file and the pinned memory."""
+    _, _, height, width = boxes[0]
+    host = scene.device.type == "cpu"
+    images = torch.empty((len(boxes), 3, height, width), dtype=torch.uint8, device=scene.device,
+                         pin_memory=pin and host)
+    masks = [scene.read(*box, out=image)[1] for box, image in zip(boxes, images)]
+    if masks[0] is None:
+        return images, None
+    masks = torch.stack(masks)
+    return images, masks.pin_memory() if pin and host else masks
 
 
 def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float, clock: StageClock | None = None):

@@ -704,6 +704,23 @@ def lagging(images):
     return pixelwise(images)
 
 
+def test_segment_reads_windows_straight_into_pinned_memory(tmp_path):
+    """read_batch for a GPU (pin) on a GeoTIFF with a nodata value: the batch and its masks in
+    pinned memory, and equal to the same windows read without pinning. Would catch: a batch read
+    into pageable memory (its copy to the GPU would then block the host), or a window lost on the
+    way into pinned memory."""
+    from cloudseg.geo import open_scene
+    from cloudseg.segment import read_batch
+
+    pytest.importorskip("rasterio")
+    boxes = [(0, 0, 64, 96), (50, 70, 64, 96), (86, 134, 64, 96)]
+    with open_scene(gpu_segment_scene(tmp_path)) as scene:
+        pinned, pinned_masks = read_batch(scene, boxes, pin=True)
+        pageable, masks = read_batch(scene, boxes, pin=False)
+    assert pinned.is_pinned() and pinned_masks.is_pinned() and not pageable.is_pinned()
+    assert torch.equal(pinned, pageable) and torch.equal(pinned_masks, masks) and not masks.all()
+
+
 def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
     """The same scene through `cloudseg segment` on the CPU and on the GPU, the model a per-pixel
     function of the image (tests/test_segment.py's `pixelwise`, the same on both devices; on the

@@ -172,7 +172,7 @@ def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, mon
     reads, strips = [], []
     scene = ImageArray(smooth_scene(320, 96))
     real_read, real_strip = scene.read, segment_module.StripBlender
-    monkeypatch.setattr(scene, "read", lambda top, *box: reads.append(top) or real_read(top, *box))
+    monkeypatch.setattr(scene, "read", lambda top, *box, **out: reads.append(top) or real_read(top, *box, **out))
     monkeypatch.setattr(segment_module, "StripBlender", lambda rows, width, height, device: strips.append((rows, width)) or
                         real_strip(rows, width, height, device))
     rows = blended_rows(scene, stand_in(pixelwise, ensemble.config, batch_size=2), (32, 48), 0.0)
@@ -213,6 +213,36 @@ def test_windows_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gd
         handles = len(scene.handles)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(alone, ahead))
     assert len(ahead) == len(boxes) and 2 <= handles <= 4  # the opening thread's and up to three readers'
+
+
+@pytest.mark.parametrize("nodata", [None, 7])
+def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
+    """CPU. read_batch reads each window straight into one batch: against rasterio reading each
+    window alone (and GDAL's dataset mask for the masks), for a GeoTIFF with and without a nodata
+    value, and against slices of the image for a scene held in memory (a JPEG's or PNG's).
+    Would catch: a window read into another's place in the batch, or transposed, or shifted; the
+    masks of other windows; masks made up for a file that marks no no-data."""
+    from rasterio.windows import Window
+
+    from cloudseg.geo import open_scene
+
+    image = smooth_scene(90, 130)
+    image[:20, :30] = 7
+    boxes = [(0, 0, 40, 60), (50, 70, 40, 60), (25, 33, 40, 60)]
+    path = write_geotiff(tmp_path / "scene.tif", image, nodata=nodata)
+    with open_scene(path) as scene:
+        images, masks = segment_module.read_batch(scene, boxes, pin=False)
+    assert images.shape == (3, 3, 40, 60) and (masks is None) == (nodata is None)
+    with rasterio.open(path) as dataset:
+        for index, (top, left, height, width) in enumerate(boxes):
+            window = Window(left, top, width, height)
+            assert np.array_equal(images[index].numpy(), dataset.read((1, 2, 3), window=window)), index
+            if masks is not None:
+                assert np.array_equal(masks[index].numpy(), dataset.dataset_mask(window=window) > 0), index
+    images, masks = segment_module.read_batch(ImageArray(image), boxes, pin=False)
+    assert masks is None
+    for index, (top, left, height, width) in enumerate(boxes):
+        assert np.array_equal(images[index].permute(1, 2, 0).numpy(), image[top:top + height, left:left + width]), index
 
 
 def test_output_bands_are_the_same_on_every_device_and_as_the_rule_says():

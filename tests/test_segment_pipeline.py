@@ -68,9 +68,9 @@ def test_the_next_scene_is_read_and_mapped_while_the_last_one_is_finished(tiny_e
     events = []
     read = geo.GeoTiffScene.read
 
-    def logged_read(scene, *box):
+    def logged_read(scene, *box, **out):
         events.append(("read", scene.path.stem, time.perf_counter()))
-        return read(scene, *box)
+        return read(scene, *box, **out)
 
     def slow_done_file(path):
         if path.name == "a.json":
@@ -165,9 +165,9 @@ def test_a_failed_write_fails_its_own_scene_stops_it_and_leaves_no_file(tiny_ens
     calls, first_call = [], {}  # first_call: each scene's, by the model calls before its first read
     read = geo.GeoTiffScene.read
 
-    def logged_read(scene, *box):
+    def logged_read(scene, *box, **out):
         first_call.setdefault(scene.path.stem, len(calls))
-        return read(scene, *box)
+        return read(scene, *box, **out)
 
     monkeypatch.setattr(geo.GeoTiffScene, "read", logged_read)
     monkeypatch.setattr(geo, "write_geotiff_rows", failing_for_b)
@@ -190,11 +190,11 @@ def test_a_scene_stopped_by_a_failed_write_is_closed_only_after_its_reads_ahead(
     _, ensemble = tiny_ensemble
     events, read, close, write = [], geo.GeoTiffScene.read, geo.GeoTiffScene.close, geo.write_geotiff_rows
 
-    def slow_read(scene, *box):
+    def slow_read(scene, *box, **out):
         if scene.path.stem == "b":
             events.append(("read", time.perf_counter()))
             time.sleep(0.05)
-        return read(scene, *box)
+        return read(scene, *box, **out)
 
     def logged_close(scene):
         if scene.path.stem == "b":
@@ -244,10 +244,10 @@ def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, 
     read, write, report = geo.GeoTiffScene.read, geo.write_geotiff_rows, segment_module.scene_error
     closed_while_writing, left_when_reported = [], []
 
-    def failing_read(scene, top, left, height, width):
+    def failing_read(scene, top, left, height, width, out=None):
         if scene.path.stem == "a" and top > 150:
             raise OSError(5, "Read failed")
-        return read(scene, top, left, height, width)
+        return read(scene, top, left, height, width, out)
 
     def slow_write(out, top, bands):
         time.sleep(0.05)
