@@ -46,7 +46,9 @@ capped), with deflate and ZSTD (the default), ZSTD also with the horizontal pred
 of 64 and 256 rows (segment's are 16: fewer, larger blocks for GDAL's one writing thread), one file
 after another in one thread, then every scene's file at once in a thread each. What the writer
 alone allows segment where its stage line says `bound by: write`, and whether files written in
-parallel, or larger strips, would raise it. (The H100 of 2026-11-27 measured the rest: deflate with
+parallel, or larger strips, would raise it; and the writing threads' own CPU seconds: near the
+seconds, a file's one writing thread bounds it, however many threads compress (on the 2-core VM
+half of that thread's time was memory copies, GDAL's of the bands into its blocks among them). (The H100 of 2026-11-27 measured the rest: deflate with
 the predictor, and each release written as it comes, not in whole strips: BENCHMARKS.md.)
 
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
@@ -312,14 +314,16 @@ COMPARED_CODECS = {"zstd-predictor": {**geo.CODECS["zstd"], "predictor": 2}}
 
 
 def writes_alone(maps: list[Path], tile: tuple[int, int],
-                 repeat: int) -> dict[tuple[str, int], tuple[float, float, float]]:
+                 repeat: int) -> dict[tuple[str, int], tuple[float, float, float, float]]:
     """Segment's writes without the rest of it: the bands of `maps` (row c's GeoTIFFs) written
     again as segment writes them on a GPU (`geo.geotiff_writer`, a row of windows at a time: the
     rows above the next row of windows of `tile`, GDAL's cache capped as segment caps it),
     for each of WRITE_CODECS one file after another in one thread, then every file at once, a
-    thread each. {(codec, files at once): (seconds, CPU s, MB)}, the fastest of `repeat`; each
-    file of the first run is read back and must equal its map. What the writer alone allows
-    segment, and whether writing several files at once would raise it."""
+    thread each. {(codec, files at once): (seconds, CPU s, the writing threads' own CPU s, MB)},
+    the fastest of `repeat`; each file of the first run is read back and must equal its map. What
+    the writer alone allows segment, whether writing several files at once would raise it, and
+    whether a file's one writing thread bounds it (its own CPU s near the seconds: GDAL copies the
+    bands into its blocks there, which its compression threads then take)."""
     if not maps:
         raise FileNotFoundError("writes alone: row c wrote no GeoTIFF to write again")
     bands, scenes = [], []
@@ -329,14 +333,14 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
             scenes.append(SimpleNamespace(width=source.width, height=source.height, crs=source.crs,
                                           transform=source.transform))
 
-    def write(index: int, codec: str, out: Path) -> Path:
-        height = scenes[index].height
+    def write(index: int, codec: str, out: Path) -> tuple[Path, float]:
+        height, cpu = scenes[index].height, time.thread_time()
         tops = [*tiling(height, scenes[index].width, tile, OVERLAP).tops[1:], height]  # as blended_rows releases
         with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
             strips = geo.WholeStrips(written, height)
             for top, bottom in zip([0, *tops], tops):
                 strips.write(top, bands[index][:, top:bottom])
-        return out / maps[index].name
+        return out / maps[index].name, time.thread_time() - cpu
 
     results = {}
     with (tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB),
@@ -350,8 +354,8 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
                     start, cpu = time.perf_counter(), time.process_time()
                     with (concurrent.futures.ThreadPoolExecutor(at_once) as pool,
                           unittest.mock.patch.object(geo, "OUTPUT_STRIP_ROWS", strip_rows)):
-                        paths = list(pool.map(lambda index: write(index, codec, out), range(len(maps))))
-                    times.append((time.perf_counter() - start, time.process_time() - cpu,
+                        paths, own = zip(*pool.map(lambda index: write(index, codec, out), range(len(maps))))
+                    times.append((time.perf_counter() - start, time.process_time() - cpu, sum(own),
                                   sum(path.stat().st_size for path in paths) / 1e6))
                     for path, expected in zip(paths if run == 0 else [], bands):
                         with rasterio.open(path) as check:
@@ -366,11 +370,12 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
 
 def print_writes(writes, megapixels: float, files: int) -> None:
     print(f"\nWrites alone (row c's {files} maps written again as segment writes them; the fastest run; "
-          "CPU s: this process's threads, GDAL's included):\n")
-    print("| codec | files at once | seconds | CPU s | megapixels/s | MB |")
-    print("|---|---|---|---|---|---|")
-    for (name, at_once), (seconds, cpu, size) in writes.items():
-        print(f"| {name} | {at_once} | {seconds:.2f} | {cpu:.1f} | {megapixels / seconds:.1f} | {size:.1f} |")
+          "CPU s: this process's threads, GDAL's included; writing threads: those that called GDAL, their own "
+          "CPU s summed, near the seconds where one file's writing thread bounds it):\n")
+    print("| codec | files at once | seconds | CPU s | writing threads' CPU s | megapixels/s | MB |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, at_once), (seconds, cpu, own, size) in writes.items():
+        print(f"| {name} | {at_once} | {seconds:.2f} | {cpu:.1f} | {own:.2f} | {megapixels / seconds:.1f} | {size:.1f} |")
 
 
 def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, ...]:

@@ -148,7 +148,8 @@ def test_segment_benchmark_prints_its_table():
     """Would catch: a row missing, the pipeline without a model among them, a segment row without
     its stage line (or the naive loop given one it cannot have), the writes-alone table missing a
     codec or timing files at once that are not there (writes_alone itself checks each file read
-    back against row c's map)."""
+    back against row c's map), the writing threads' CPU seconds not theirs (none, or the whole
+    process's and more: the calling thread's clock read in another thread)."""
     out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost")  # two scenes: two files at once
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
@@ -159,10 +160,13 @@ def test_segment_benchmark_prints_its_table():
     assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f.", "g."]
     assert "| g. cloudseg segment, overlap 0.25 (batch 4), 2 files at once |" in out
     assert all(" — bound by: " in line and "; from the first read: read 0.00 to " in line for line in stages)
-    writes = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
-    assert writes == [[f"| {codec}", at_once] for codec in (
+    writes = [line.split(" | ") for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
+    assert [row[:2] for row in writes] == [[f"| {codec}", at_once] for codec in (
         "deflate", "zstd", "zstd, predictor", "zstd, strips of 64 rows", "zstd, strips of 256 rows")
         for at_once in ("1", "2")]
+    # the writing threads' own CPU: some, and within the process's (rounded to 0.1 s there)
+    assert "| writing threads' CPU s |" in out
+    assert all(0 < float(row[4]) <= float(row[3]) + 0.05 for row in writes), writes
 
 
 @pytest.mark.slow  # four new processes that import cloudseg: about 95 s on 2 cores
