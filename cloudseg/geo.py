@@ -317,11 +317,14 @@ def mask_bits(masks: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def check_codec(compress: str) -> None:
-    """A one-line error naming --compress when this GDAL cannot write `compress` into a GeoTIFF
-    (GDAL only warns, then writes it uncompressed): a 16×16 file written in memory tells."""
+def check_codec(compress: str, writable: bool = True) -> None:
+    """A one-line error naming --compress when `compress` is not one of CODECS or, with
+    `writable`, when this GDAL cannot write it into a GeoTIFF (GDAL only warns, then writes it
+    uncompressed): a 16×16 file written in memory tells."""
     if compress not in CODECS:
         raise ValueError(f"--compress {compress}: not a codec of segment (choose from {', '.join(CODECS)})")
+    if not writable:
+        return
     rasterio = geo_module("rasterio")
     try:
         with rasterio.io.MemoryFile() as memory:

@@ -272,14 +272,15 @@ class SegmentOptions:
     compress: str = geo.DEFAULT_CODEC  # a GeoTIFF's codec: zstd, deflate, lerc or none (geo.CODECS)
     cog: bool = False  # a GeoTIFF written as a Cloud-Optimized GeoTIFF (tiled, with overviews)
 
-    def check(self) -> None:
+    def check(self, geotiffs: bool = True) -> None:
         """A one-line error naming the option when an output or the codec is not one of segment's
-        (or this GDAL cannot write the codec)."""
+        (or, where `geotiffs` are to be written, this GDAL cannot write the codec: a JPEG or PNG
+        scene's outputs are PNGs, and GDAL is not even imported for them)."""
         unknown = [output for output in self.outputs if output not in geo.OUTPUTS]
         if unknown or not self.outputs or len(set(self.outputs)) < len(self.outputs):
             raise ValueError(f"--outputs {','.join(self.outputs)}: give one or more of {', '.join(geo.OUTPUTS)}, "
                              "each once, comma-separated")
-        geo.check_codec(self.compress)
+        geo.check_codec(self.compress, writable=geotiffs)
 
 
 class SceneCounts:
@@ -595,7 +596,7 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
     skipping scenes already done (`clock`, if given, gets each stage's seconds); then one process writes fractions.csv (and grid.nc with a grid).
     A bad scene is one line on stderr naming it; the others go on. Returns the number that failed."""
     out_dir, scenes = Path(out_dir), find_scenes(sources)
-    options.check()
+    options.check(geotiffs=any(path.suffix.lower() in geo.GEOTIFF_SUFFIXES for path in scenes))
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
     check_writable(out_dir, scenes)
     start = time.perf_counter()

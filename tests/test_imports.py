@@ -21,6 +21,7 @@ HEAVY = {
     "albumentations": "training's augmentation (data.build_transform)",
     "tensorboard": "training's log (train)",
     "scipy.sparse.csgraph": "the rule search (postprocess, tune)",
+    "rasterio": "GeoTIFF scenes (geo.geo_module)",
 }
 
 
@@ -84,6 +85,33 @@ viz.plot_curves(pd.DataFrame({"epoch": [1], "train_loss": [1.0], "valid_loss": [
                               **{f"dice_{label}": [0.5] for label in LABELS}}))
 postprocess.grid_scores(np.zeros((1, 8, 8), np.uint8), np.zeros((1, 8, 8), bool))
 compiled.graph_counts()
+from cloudseg import geo
+geo.check_codec(geo.DEFAULT_CODEC)
 import cloudseg.train
 """
     assert heavy(imported_by(code)) == set(HEAVY)
+
+
+def test_a_call_on_a_jpeg_scene_imports_no_gdal(tmp_path):
+    """`cloudseg segment` on a JPEG scene, which writes PNGs, in a new process; a bad codec's
+    name still refused there. Would catch: the codec's check (a GeoTIFF written in memory by
+    rasterio, 0.4 s of the demo's one-image call on 2 cores) run for a job with no GeoTIFF, or
+    --compress no longer checked at all for one."""
+    import cv2
+    import numpy as np
+
+    from tests.conftest import write_tiny_checkpoint
+
+    scene = tmp_path / "scene.jpg"
+    cv2.imwrite(str(scene), np.full((64, 96, 3), 90, np.uint8))
+    checkpoint = write_tiny_checkpoint(tmp_path / "best.pt")
+    call = f"""
+from cloudseg.cli import main
+assert main(["segment", {str(scene)!r}, "--checkpoint", {str(checkpoint)!r}, "--out", {str(tmp_path / "out")!r},
+             "--device", "cpu"]) == 0
+"""
+    modules = imported_by(call)
+    assert "cloudseg.segment" in modules and "rasterio" not in modules
+    assert (tmp_path / "out" / "scene_masks.png").is_file()
+    refused = call.replace('"--device"', '"--compress", "jpeg2000", "--device"').replace("== 0", "== 2")
+    assert "rasterio" not in imported_by(refused)

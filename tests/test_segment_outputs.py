@@ -145,7 +145,8 @@ def test_a_tiling_off_the_strips_maps_the_same_bands_as_writing_each_release(tin
 
 def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene_dir, tmp_path, monkeypatch, capsys):
     """CPU. Would catch: an unknown output or codec silently ignored (GDAL only warns and writes
-    uncompressed), a traceback, or work done before the error."""
+    uncompressed; a codec this GDAL cannot write left untried for GeoTIFF scenes), a traceback, or
+    work done before the error."""
     checkpoint, _ = tiny_ensemble
     for option, value in (("--outputs", "probs,clouds"), ("--outputs", "masks,masks"), ("--compress", "jpeg2000")):
         assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
@@ -155,8 +156,10 @@ def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene
     assert not (tmp_path / "out").exists()
     monkeypatch.setitem(geo.CODECS, "lerc", dict(compress="webp"))  # a codec this GDAL cannot put in a GeoTIFF
     geo.check_codec.cache_clear()
-    with pytest.raises(ValueError, match=r"--compress lerc: this GDAL .* cannot write it"):
-        geo.check_codec("lerc")
+    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--compress", "lerc") == 2  # GeoTIFF scenes: the codec tried before anything is mapped
+    assert re.search(r"cloudseg: error: --compress lerc: this GDAL .* cannot write it", capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
     # the default unwritable: a user who never passed --compress is told it is the default, and what else
     monkeypatch.setitem(geo.CODECS, geo.DEFAULT_CODEC, dict(compress="webp"))
     geo.check_codec.cache_clear()
