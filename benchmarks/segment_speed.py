@@ -46,8 +46,8 @@ capped), with deflate and ZSTD (the default), ZSTD also with the horizontal pred
 of 64 and 256 rows (segment's are 16: fewer, larger blocks for GDAL's one writing thread), one file
 after another in one thread, then every scene's file at once in a thread each. What the writer
 alone allows segment where its stage line says `bound by: write`, and whether files written in
-parallel, or larger strips, would raise it; and the writing threads' own CPU seconds: near the
-seconds, a file's one writing thread bounds it, however many threads compress (on the 2-core VM
+parallel, or larger strips, would raise it; and the busiest writing thread's own CPU seconds: near
+the seconds, a file's one writing thread bounds it, however many threads compress (on the 2-core VM
 half of that thread's time was memory copies, GDAL's of the bands into its blocks among them). (The H100 of 2026-11-27 measured the rest: deflate with
 the predictor, and each release written as it comes, not in whole strips: BENCHMARKS.md.)
 
@@ -78,6 +78,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest.mock
 from functools import partial
@@ -319,11 +320,11 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
     again as segment writes them on a GPU (`geo.geotiff_writer`, a row of windows at a time: the
     rows above the next row of windows of `tile`, GDAL's cache capped as segment caps it),
     for each of WRITE_CODECS one file after another in one thread, then every file at once, a
-    thread each. {(codec, files at once): (seconds, CPU s, the writing threads' own CPU s, MB)},
-    the fastest of `repeat`; each file of the first run is read back and must equal its map. What
-    the writer alone allows segment, whether writing several files at once would raise it, and
-    whether a file's one writing thread bounds it (its own CPU s near the seconds: GDAL copies the
-    bands into its blocks there, which its compression threads then take)."""
+    thread each. {(codec, files at once): (seconds, CPU s, the busiest writing thread's own CPU s,
+    MB)}, the fastest of `repeat`; each file of the first run is read back and must equal its map.
+    What the writer alone allows segment, whether writing several files at once would raise it, and
+    whether a writing thread bounds it (its own CPU s near the seconds: GDAL copies the bands into
+    its blocks there, which its compression threads then take)."""
     if not maps:
         raise FileNotFoundError("writes alone: row c wrote no GeoTIFF to write again")
     bands, scenes = [], []
@@ -333,14 +334,14 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
             scenes.append(SimpleNamespace(width=source.width, height=source.height, crs=source.crs,
                                           transform=source.transform))
 
-    def write(index: int, codec: str, out: Path) -> tuple[Path, float]:
+    def write(index: int, codec: str, out: Path) -> tuple[Path, int, float]:
         height, cpu = scenes[index].height, time.thread_time()
         tops = [*tiling(height, scenes[index].width, tile, OVERLAP).tops[1:], height]  # as blended_rows releases
         with geo.geotiff_writer(out / maps[index].name, scenes[index], compress=codec) as written:
             strips = geo.WholeStrips(written, height)
             for top, bottom in zip([0, *tops], tops):
                 strips.write(top, bands[index][:, top:bottom])
-        return out / maps[index].name, time.thread_time() - cpu
+        return out / maps[index].name, threading.get_ident(), time.thread_time() - cpu
 
     results = {}
     with (tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB),
@@ -354,8 +355,10 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
                     start, cpu = time.perf_counter(), time.process_time()
                     with (concurrent.futures.ThreadPoolExecutor(at_once) as pool,
                           unittest.mock.patch.object(geo, "OUTPUT_STRIP_ROWS", strip_rows)):
-                        paths, own = zip(*pool.map(lambda index: write(index, codec, out), range(len(maps))))
-                    times.append((time.perf_counter() - start, time.process_time() - cpu, sum(own),
+                        paths, threads, own = zip(*pool.map(lambda index: write(index, codec, out), range(len(maps))))
+                    busiest = max(sum(seconds for thread, seconds in zip(threads, own) if thread == one)
+                                  for one in set(threads))  # one thread's files, one after another
+                    times.append((time.perf_counter() - start, time.process_time() - cpu, busiest,
                                   sum(path.stat().st_size for path in paths) / 1e6))
                     for path, expected in zip(paths if run == 0 else [], bands):
                         with rasterio.open(path) as check:
@@ -370,12 +373,12 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
 
 def print_writes(writes, megapixels: float, files: int) -> None:
     print(f"\nWrites alone (row c's {files} maps written again as segment writes them; the fastest run; "
-          "CPU s: this process's threads, GDAL's included; writing threads: those that called GDAL, their own "
-          "CPU s summed, near the seconds where one file's writing thread bounds it):\n")
-    print("| codec | files at once | seconds | CPU s | writing threads' CPU s | megapixels/s | MB |")
+          "CPU s: this process's threads, GDAL's included; writing thread: the busiest of those that called GDAL, "
+          "its own CPU s, near the seconds where a writing thread bounds the writes):\n")
+    print("| codec | files at once | seconds | CPU s | writing thread's CPU s | megapixels/s | MB |")
     print("|---|---|---|---|---|---|---|")
     for (name, at_once), (seconds, cpu, own, size) in writes.items():
-        print(f"| {name} | {at_once} | {seconds:.2f} | {cpu:.1f} | {own:.2f} | {megapixels / seconds:.1f} | {size:.1f} |")
+        print(f"| {name} | {at_once} | {seconds:.2f} | {cpu:.2f} | {own:.2f} | {megapixels / seconds:.1f} | {size:.1f} |")
 
 
 def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float, ...]:

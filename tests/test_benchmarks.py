@@ -148,8 +148,8 @@ def test_segment_benchmark_prints_its_table():
     """Would catch: a row missing, the pipeline without a model among them, a segment row without
     its stage line (or the naive loop given one it cannot have), the writes-alone table missing a
     codec or timing files at once that are not there (writes_alone itself checks each file read
-    back against row c's map), the writing threads' CPU seconds not theirs (none, or the whole
-    process's and more: the calling thread's clock read in another thread)."""
+    back against row c's map), a writing thread's CPU seconds not its own (the process's clock
+    counts GDAL's compression threads too, and so runs ahead of the wall clock where they work)."""
     out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost")  # two scenes: two files at once
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
@@ -164,9 +164,10 @@ def test_segment_benchmark_prints_its_table():
     assert [row[:2] for row in writes] == [[f"| {codec}", at_once] for codec in (
         "deflate", "zstd", "zstd, predictor", "zstd, strips of 64 rows", "zstd, strips of 256 rows")
         for at_once in ("1", "2")]
-    # the writing threads' own CPU: some, and within the process's (rounded to 0.1 s there)
-    assert "| writing threads' CPU s |" in out
-    assert all(0 < float(row[4]) <= float(row[3]) + 0.05 for row in writes), writes
+    # the busiest writing thread's own CPU: within the process's, and within the seconds, as one
+    # thread's must be (all three printed to 0.01 s)
+    assert "| writing thread's CPU s |" in out
+    assert all(float(row[4]) <= min(float(row[2]), float(row[3])) + 0.01 for row in writes), writes
 
 
 @pytest.mark.slow  # four new processes that import cloudseg: about 95 s on 2 cores
