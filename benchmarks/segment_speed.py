@@ -54,10 +54,10 @@ the predictor, and each release written as it comes, not in whole strips: BENCHM
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
 processes on one window-sized scene (imports, loading; no compiling: auto does not compile for
 one scene), the imports alone, and where the second call's time went (imports, loading and mapping
-from its own log, the rest); a call without cuDNN's algorithm search for each new batch shape
-(cudnn.benchmark off), split the same way: what that search costs a short job on a GPU; on CUDA
-then two calls that compile (predict.compile=true), the second taking its compile from inductor's
-cache.
+from its own log, the rest); on CUDA then two calls that compile (predict.compile=true), the
+second taking its compile from inductor's cache. (A call without cuDNN's algorithm search was
+timed beside them until the H200 of 2026-11-27 showed the search bought prediction nothing: the
+commands that predict now never search, hardware.speed_switches.)
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
        --batch B --config FILE --device D --files-at-once N --codecs C [C ...] --rows LETTERS --log
@@ -386,8 +386,7 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
     and of a process that only imports cloudseg.segment (and ends without the interpreter's exit,
     timed apart); on CUDA then two calls that compile
     (predict.compile=true; auto does not for one scene), the second from inductor's cache, which
-    starts empty for the first. Between them a call without cuDNN's algorithm search (SEARCHLESS),
-    and where the second call's time went and the searchless call's, from their own logs."""
+    starts empty for the first; and where the second call's time went, from its own log."""
     logs = []
 
     def seconds(*command, env=None, name=None) -> float:
@@ -413,9 +412,6 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
     exiting = seconds("-c", "import cloudseg.segment") - imports
     print(f"  the interpreter's exit after those imports: {exiting:.1f} s", flush=True)
     print(f"  the second call: {call_split(second, imports, second_log)}", flush=True)
-    searchless = seconds("-c", SEARCHLESS, *call[2:], "--out", str(folder / "searchless"),
-                         name="-m cloudseg segment (cudnn.benchmark off)")
-    print(f"  without cuDNN's search: {call_split(searchless, imports, logs[-1])}", flush=True)
     if resolve_device(args.device).type != "cuda":
         return first, second, imports
     cache = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
@@ -424,18 +420,10 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
                                              name="-m cloudseg segment (compiling)") for index in range(2))
 
 
-# `cloudseg segment` with predict's speed_switches a no-op, so that cudnn.benchmark stays off (PyTorch's
-# default): no algorithm search for each new batch shape. No option of segment's does this (predict sets
-# the switches whatever train.deterministic says), hence a process that patches it and runs the CLI.
-SEARCHLESS = ("import runpy, sys; import cloudseg.predict as predict; "
-              "predict.speed_switches = lambda *args, **kw: None; "
-              "sys.argv[0] = 'cloudseg'; runpy.run_module('cloudseg', run_name='__main__')")
-
-
 def call_split(seconds: float, imports: float, log: str) -> str:
     """Where a `cloudseg segment` call's `seconds` went, from its log and a new process's `imports`
     (Python's start included, its exit not): loading (the checkpoint, and the GPU's context made for
-    it), mapping (the scenes and the summaries, the first batches' cuDNN search included), and the
+    it), mapping (the scenes and the summaries, the first batches' kernels loaded included), and the
     rest (the command line, the options' checks, finding the scenes, the interpreter's and CUDA's
     exit)."""
     loading = re.search(r"loaded on \S+ in ([\d.]+) s", log)

@@ -114,12 +114,18 @@ def unsupported_gpu(index: int) -> str | None:
 CUDNN_BENCHMARK_LIMIT = 10  # PyTorch's default: cuDNN's benchmark times the first 10 algorithms its heuristics list
 
 
-def speed_switches(device: torch.device, deterministic: bool = False, cudnn_search: bool = False) -> None:
-    """How kernels are chosen, for training and inference alike.
+def speed_switches(device: torch.device, deterministic: bool = False, cudnn_search: bool = False,
+                   inference: bool = False) -> None:
+    """How kernels are chosen.
 
-    Fast (the default): cuDNN benchmarks its convolution algorithms once per input shape and
-    keeps the fastest, worth it here where a handful of shapes recur. Which algorithm wins, and
-    the atomic additions of some kernels, make two runs differ in their last bits.
+    Fast (the default, training's): cuDNN benchmarks its convolution algorithms once per input
+    shape and keeps the fastest, worth it here where a handful of shapes recur. Which algorithm
+    wins, and the atomic additions of some kernels, make two runs differ in their last bits.
+    `inference` (predict, segment, oof): no benchmark, cuDNN's heuristics pick (PyTorch's default).
+    On an H200 (torch 2.11, UNet-ResNet34 in bf16, 1400x2100 windows, 2026-11-27) their picks
+    ran every batch as fast (26.8 against 26.7 ms a batch of 4, 7.7 against 7.7 of 1), while the
+    search cost the first batch of each shape 1.0-1.6 s (4) and 0.6-0.7 s (1): a one-scene
+    `cloudseg segment` call took 5.6 s without it, 7.1-7.2 s with it (medians of 3).
     `cudnn_search` (train.speedups.cudnn_search): the benchmark times every algorithm cuDNN
     offers for a shape, not the first CUDNN_BENCHMARK_LIMIT (the full-resolution weight gradients
     may have a faster one further down); the same maths, a longer first window. PyTorch keeps
@@ -133,7 +139,7 @@ def speed_switches(device: torch.device, deterministic: bool = False, cudnn_sear
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = not deterministic
+        torch.backends.cudnn.benchmark = not deterministic and not inference
         torch.backends.cudnn.deterministic = deterministic
         torch.backends.cudnn.benchmark_limit = 0 if cudnn_search else CUDNN_BENCHMARK_LIMIT
 

@@ -169,7 +169,7 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
     then compiles only where they, times the test-time flips, repay it (compiled.resolve_compile)."""
     rule_file = tuned_rule(checkpoints, postprocess_file)
     device = resolve_device(device)
-    speed_switches(device)
+    speed_switches(device, inference=True)
     loaded = [load_model(path, device) for path in checkpoints]
     for path, (_, other) in zip(checkpoints[1:], loaded[1:]):
         if other.data.image_size != loaded[0][1].data.image_size:

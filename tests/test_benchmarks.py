@@ -181,7 +181,6 @@ def test_segment_benchmark_reports_a_call_s_fixed_cost():
     split = re.search(r"the second call: ([\d.]+) s = imports ([\d.]+) \+ loading ([\d.]+) \+ mapping ([\d.]+) "
                       r"\+ the rest (-?[\d.]+)", out)  # read from the call's own log
     assert split, "the call's log no longer says how long loading and mapping took"
-    assert re.search(r"without cuDNN's search: [\d.]+ s = imports .* \+ mapping ", out)  # the patched call ran
 
 
 def test_bytecode_state_counts_the_modules_compiled_for_this_python(tmp_path, monkeypatch):

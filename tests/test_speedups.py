@@ -17,6 +17,7 @@ from cloudseg.config import ModelConfig, describe, load_config
 from cloudseg.engine import StepContext, train_step, windows
 from cloudseg.hardware import CUDNN_BENCHMARK_LIMIT, speed_switches
 from cloudseg.model import build_model, pad_stem, prepare_for_training
+from tests.conftest import write_tiny_checkpoint
 from tests.test_accumulation import CPU, Images
 from tests.test_compile import EXACT, GPU_UPDATE_RTOL, SMALL, assert_same_state
 from tests.test_distributed import train_one_process
@@ -77,6 +78,27 @@ def test_cudnn_search_times_every_algorithm_on_cuda_and_goes_back_when_off(cudnn
     assert torch.backends.cudnn.benchmark is True and torch.backends.cudnn.benchmark_limit == 0
     speed_switches(CUDA)
     assert torch.backends.cudnn.benchmark_limit == CUDNN_BENCHMARK_LIMIT == 10
+
+
+def test_inference_lets_cudnn_s_heuristics_pick_and_training_searches(cudnn_restored, monkeypatch, tmp_path):
+    """speed_switches for inference on CUDA turns cuDNN's benchmark off, for training on; and the
+    commands that predict (load_ensemble: predict and segment; oof) ask for inference. Would
+    catch: every new batch shape of a one-scene segment call searched again (1.7 s on an H200),
+    training left without its search, or a command that predicts calling the training switches."""
+    from cloudseg import oof, predict
+
+    speed_switches(CUDA, inference=True)
+    assert torch.backends.cudnn.benchmark is False
+    speed_switches(CUDA)
+    assert torch.backends.cudnn.benchmark is True
+    asked = []
+    for module in (predict, oof):
+        monkeypatch.setattr(module, "speed_switches", lambda device, **switches: asked.append(switches))
+    checkpoint = write_tiny_checkpoint(tmp_path / "best.pt")
+    predict.load_ensemble([str(checkpoint)], "none", device="cpu")
+    with pytest.raises(FileNotFoundError):  # the switches come first, then the checkpoint is looked for
+        oof.oof_from_checkpoint(tmp_path / "missing.pt", device="cpu")
+    assert asked == [{"inference": True}, {"inference": True}]
 
 
 def test_autotune_reaches_inductor_for_this_compile_only(monkeypatch):
