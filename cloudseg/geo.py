@@ -141,6 +141,8 @@ class GeoTiffScene:
         None). Any thread: each reads through a GDAL handle of its own (one is not safe to share)."""
         dataset = getattr(self.local, "dataset", None) or self.opened()
         window = geo_module("rasterio.windows").Window(left, top, width, height)
+        if out is not None and tuple(out.shape) != (3, height, width):  # rasterio would resample into it
+            raise ValueError(f"{self.path}: a {height}x{width} window read into {tuple(out.shape)}")
         pixels = dataset.read((1, 2, 3), window=window, out=None if out is None else out.numpy())
         pixels = torch.from_numpy(pixels) if out is None else out
         if not self.masked:

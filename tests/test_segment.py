@@ -221,7 +221,8 @@ def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
     window alone (and GDAL's dataset mask for the masks), for a GeoTIFF with and without a nodata
     value, and against slices of the image for a scene held in memory (a JPEG's or PNG's).
     Would catch: a window read into another's place in the batch, or transposed, or shifted; the
-    masks of other windows; masks made up for a file that marks no no-data."""
+    masks of other windows; masks made up for a file that marks no no-data; a window of another
+    size read into the batch's (rasterio resamples it to fit, silently)."""
     from rasterio.windows import Window
 
     from cloudseg.geo import open_scene
@@ -239,6 +240,8 @@ def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
             assert np.array_equal(images[index].numpy(), dataset.read((1, 2, 3), window=window)), index
             if masks is not None:
                 assert np.array_equal(masks[index].numpy(), dataset.dataset_mask(window=window) > 0), index
+    with open_scene(path) as scene, pytest.raises(ValueError, match=r"scene.tif: a 20x30 window read into \(3, 40, 60\)"):
+        segment_module.read_batch(scene, [boxes[0], (0, 0, 20, 30)], pin=False)  # rasterio alone would resample
     images, masks = segment_module.read_batch(ImageArray(image), boxes, pin=False)
     assert masks is None
     for index, (top, left, height, width) in enumerate(boxes):

@@ -5,6 +5,7 @@ import re
 import threading
 import time
 
+import cv2
 import numpy as np
 import pytest
 
@@ -156,8 +157,9 @@ def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene
     assert not (tmp_path / "out").exists()
     monkeypatch.setitem(geo.CODECS, "lerc", dict(compress="webp"))  # a codec this GDAL cannot put in a GeoTIFF
     geo.check_codec.cache_clear()
+    cv2.imwrite(str(scene_dir / "a.jpg"), smooth_scene(40, 60))  # first of the folder's scenes, not a GeoTIFF
     assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
-                       "--compress", "lerc") == 2  # GeoTIFF scenes: the codec tried before anything is mapped
+                       "--compress", "lerc") == 2  # a GeoTIFF among the scenes: the codec tried before any is mapped
     assert re.search(r"cloudseg: error: --compress lerc: this GDAL .* cannot write it", capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
     # the default unwritable: a user who never passed --compress is told it is the default, and what else
