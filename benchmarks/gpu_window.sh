@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short GPU window, as one command: `make test-gpu` (cut at TEST_S seconds), then `make bench`
-# in what is left of LIMIT_S, the segment part first; between them benchmarks/import_time.py. Logs, the
+# in what is left of LIMIT_S, the segment part first, training last; between them benchmarks/import_time.py. Logs, the
 # report, the GPU's name and the profiles of slow tests go to OUT.
 # For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
@@ -59,7 +59,7 @@ timeout -k 5 120 python3 benchmarks/import_time.py --repeat 1 >"$OUT/imports.log
 echo "import_time: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/imports.log"
 
 budget=$((LIMIT_S - (SECONDS - start) - 20))
-make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts segment training memory epoch predict" \
+make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts segment memory epoch predict training" \
   >"$OUT/bench.log" 2>&1
 echo "make bench: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
 cp bench/report.md "$OUT/" 2>/dev/null
