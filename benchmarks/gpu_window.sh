@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One short GPU window, as one command: `make test-gpu` (cut at TEST_S seconds), then `make bench`
-# in what is left of LIMIT_S, the segment part first, training last; between them benchmarks/import_time.py. Logs, the
-# report, the GPU's name and the profiles of slow tests go to OUT.
+# in what is left of LIMIT_S, the segment part first, training last; between them benchmarks/import_time.py
+# and benchmarks/cudnn_search.py. Logs, the report, the GPU's name and the profiles of slow tests go to OUT.
 # For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
 # TESTS, a pytest -k expression, picks the GPU tests (those a window never reached, BENCHMARKS.md).
@@ -57,6 +57,9 @@ echo "make test-gpu: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/test-g
 # Where a command's import time goes on this machine (the fixed cost of a one-scene segment call).
 timeout -k 5 120 python3 benchmarks/import_time.py --repeat 1 >"$OUT/imports.log" 2>&1
 echo "import_time: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/imports.log"
+# Whether cuDNN's search pays for prediction on this GPU (prediction leaves it off: an H200 said no).
+timeout -k 5 120 python3 benchmarks/cudnn_search.py --repeat 1 >"$OUT/cudnn.log" 2>&1
+echo "cudnn_search: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/cudnn.log"
 
 budget=$((LIMIT_S - (SECONDS - start) - 20))
 make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts segment memory epoch predict training" \

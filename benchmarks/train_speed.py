@@ -497,7 +497,9 @@ def kernel_times(events, device, images: int) -> dict:
 
 def inference(config, batches, args, device, compile):
     """As cloudseg predict runs the model: in its training memory format, eval mode, compiled
-    where predict.compile says so (the first batch compiles, untimed)."""
+    where predict.compile says so (the first batch compiles, untimed). cuDNN's search stays as the
+    training rows left it (on), unlike predict's: it changes the untimed first batch, not the
+    timed ones (benchmarks/cudnn_search.py)."""
     model = build_model(config.model, pretrained=False)
     model = prepare_for_training(model, config.train.channels_last, "none").to(device).eval()
     forward = compiled.compiled(model) if compile else model

@@ -124,8 +124,8 @@ def speed_switches(device: torch.device, deterministic: bool = False, cudnn_sear
     `inference` (predict, segment, oof): no benchmark, cuDNN's heuristics pick (PyTorch's default).
     On an H200 (torch 2.11, UNet-ResNet34 in bf16, 1400x2100 windows, 2026-11-27) their picks
     ran every batch as fast (26.8 against 26.7 ms a batch of 4, 7.7 against 7.7 of 1), while the
-    search cost the first batch of each shape 1.0-1.6 s (4) and 0.6-0.7 s (1): a one-scene
-    `cloudseg segment` call took 5.6 s without it, 7.1-7.2 s with it (medians of 3).
+    search cost the first batch of each shape 1.0-1.6 s (4) and 0.6-0.7 s (1): 1.3-2.1 s of a
+    one-scene `cloudseg segment` call of 7 (benchmarks/cudnn_search.py measures another GPU).
     `cudnn_search` (train.speedups.cudnn_search): the benchmark times every algorithm cuDNN
     offers for a shape, not the first CUDNN_BENCHMARK_LIMIT (the full-resolution weight gradients
     may have a faster one further down); the same maths, a longer first window. PyTorch keeps

@@ -183,6 +183,18 @@ def test_segment_benchmark_reports_a_call_s_fixed_cost():
     assert split, "the call's log no longer says how long loading and mapping took"
 
 
+def test_cudnn_search_benchmark_prints_both_switches_in_turn():
+    """CPU (the switch does nothing there; the table is what is checked). Would catch: a row lost
+    or out of turn, figures not parsed from the measuring process (a first batch as cheap as zero,
+    a steady batch missing)."""
+    out = run("benchmarks/cudnn_search.py", "--config", "configs/demo.yaml", "--tile", "64", "96", "--repeat", "1",
+              "--device", "cpu")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| off |", "| on |"))]
+    assert [row[0] for row in rows] == ["| off", "| on"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0 and float(row[4].strip(" |")) > 0
+               for row in rows)
+
+
 def test_bytecode_state_counts_the_modules_compiled_for_this_python(tmp_path, monkeypatch):
     """CPU. Would catch: counting sources instead of their bytecode, or looking for it where this
     Python does not (beside the source rather than in __pycache__ under its cache tag)."""

@@ -83,7 +83,7 @@ def test_cudnn_search_times_every_algorithm_on_cuda_and_goes_back_when_off(cudnn
 def test_inference_lets_cudnn_s_heuristics_pick_and_training_searches(cudnn_restored, monkeypatch, tmp_path):
     """speed_switches for inference on CUDA turns cuDNN's benchmark off, for training on; and the
     commands that predict (load_ensemble: predict and segment; oof) ask for inference. Would
-    catch: every new batch shape of a one-scene segment call searched again (1.7 s on an H200),
+    catch: every new batch shape of a one-scene segment call searched again (1.3-2.1 s on an H200),
     training left without its search, or a command that predicts calling the training switches."""
     from cloudseg import oof, predict
 
