@@ -165,6 +165,12 @@ def one_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def is_geotiff(path: Path) -> bool:
+    """A scene read (and mapped into a GeoTIFF) through GDAL, by its file's suffix; else a JPEG or
+    PNG, decoded whole and mapped into PNGs."""
+    return path.suffix.lower() in GEOTIFF_SUFFIXES
+
+
 @contextlib.contextmanager
 def open_scene(path: str | Path, device: torch.device | str = "cpu"):
     """An ImageScene (decoded on `device` where it can be) or GeoTiffScene by the file's suffix;
@@ -172,7 +178,7 @@ def open_scene(path: str | Path, device: torch.device | str = "cpu"):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: scene not found")
-    if path.suffix.lower() not in GEOTIFF_SUFFIXES:
+    if not is_geotiff(path):
         yield ImageScene(path, device)
         return
     with geo_module("rasterio").Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
@@ -188,7 +194,7 @@ def scene_shape(path: Path) -> tuple[int, int]:
     JPEG's frame header (`data.jpeg_frame`, in the first 256 kB unless metadata pushes it further),
     a PNG's IHDR; (0, 0) where there is none readable: mapping the scene then says why."""
     try:
-        if path.suffix.lower() in GEOTIFF_SUFFIXES:
+        if is_geotiff(path):
             with geo_module("rasterio").open(path) as dataset:
                 return dataset.height, dataset.width
         with open(path, "rb") as file:

@@ -596,7 +596,7 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
     skipping scenes already done (`clock`, if given, gets each stage's seconds); then one process writes fractions.csv (and grid.nc with a grid).
     A bad scene is one line on stderr naming it; the others go on. Returns the number that failed."""
     out_dir, scenes = Path(out_dir), find_scenes(sources)
-    options.check(geotiffs=any(path.suffix.lower() in geo.GEOTIFF_SUFFIXES for path in scenes))
+    options.check(geotiffs=any(geo.is_geotiff(path) for path in scenes))
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
     check_writable(out_dir, scenes)
     start = time.perf_counter()

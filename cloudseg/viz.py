@@ -323,9 +323,9 @@ def scene_map(scene_path: str | Path, out_dir: str | Path | None = None, masks: 
 def written_masks(scene_path: Path, out_dir: Path) -> np.ndarray:
     """4×H×W masks that `cloudseg segment` wrote for a scene (NAME.tif's mask bands, or
     NAME_masks.png's class bits), 0 on no-data."""
-    from cloudseg.geo import GEOTIFF_SUFFIXES, NODATA, geo_module
+    from cloudseg.geo import NODATA, geo_module, is_geotiff
 
-    if scene_path.suffix.lower() in GEOTIFF_SUFFIXES:
+    if is_geotiff(scene_path):
         with geo_module("rasterio").open(out_dir / f"{scene_path.stem}.tif") as maps:
             masks = maps.read(list(range(len(LABELS) + 1, 2 * len(LABELS) + 1)))
     else:
