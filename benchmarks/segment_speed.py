@@ -23,7 +23,7 @@ How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --wi
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
 `make bench` maps 2 such scenes (rows a-f then about 60 s: the naive loops double), and the
 warm-ups, the loads, the first compile, row g, the writes alone (10 writes of the 252 megapixels and 10
-read-backs) and the fixed-cost calls (seven new processes, 15-40 s each there) come on top: the whole part
+read-backs) and the fixed-cost calls (six new processes, 15-40 s each there) come on top: the whole part
 took 251 s on the H100 on 2026-11-27, with 12 writes and five of those processes.
 This CPU's default sizes: 2-4 minutes.
 
@@ -48,8 +48,9 @@ after another in one thread, then every scene's file at once in a thread each. W
 alone allows segment where its stage line says `bound by: write`, and whether files written in
 parallel, or larger strips, would raise it; and the busiest writing thread's own CPU seconds: near
 the seconds, a file's one writing thread bounds it, however many threads compress (on the 2-core VM
-half of that thread's time was memory copies, GDAL's of the bands into its blocks among them). (The H100 of 2026-11-27 measured the rest: deflate with
-the predictor, and each release written as it comes, not in whole strips: BENCHMARKS.md.)
+half of that thread's time was memory copies, GDAL's of the bands into its blocks among them). (The
+H100 of 2026-11-27 measured the rest: deflate with the predictor, and each release written as it
+comes, not in whole strips: BENCHMARKS.md.)
 
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
 processes on one window-sized scene (imports, loading; no compiling: auto does not compile for

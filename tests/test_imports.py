@@ -95,8 +95,8 @@ import cloudseg.train
 
 
 def test_a_call_on_a_jpeg_scene_imports_no_gdal(tmp_path):
-    """`cloudseg segment` on a JPEG scene, which writes PNGs, in a new process; a bad codec's
-    name still refused there. Would catch: the codec's check (a GeoTIFF written in memory by
+    """`cloudseg segment` on a JPEG scene, which writes PNGs, in a new process; then a bad codec's
+    name for the same job, refused (in this one). Would catch: the codec's check (a GeoTIFF written in memory by
     rasterio, 0.4 s of the demo's one-image call on 2 cores) run for a job with no GeoTIFF, or
     --compress no longer checked at all for one."""
     import cv2
