@@ -7,7 +7,9 @@ UV      := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 # Bytecode compiled at install, as pip does and uv does not: left to Python, a module is compiled at its
 # first import, and where that cache cannot be written (PYTHONDONTWRITEBYTECODE, a read-only image) in
 # every new process again: a one-image `cloudseg segment` call took 21.4 s on 2 cores, 8.4 s compiled.
-UV_PIP  := $(UV) pip install -q --compile-bytecode
+# BYTECODE= leaves it out: a throwaway .venv (tests/test_kaggle_data.py's) that no user imports from.
+BYTECODE ?= --compile-bytecode
+UV_PIP  := $(UV) pip install -q $(BYTECODE)
 # make install TORCH_BACKEND=cu126 (or auto: uv picks the build for this machine's driver; cpu, cu118,
 # rocm6.3, ...): PyTorch built for that backend instead of requirements.txt's default CUDA build,
 # e.g. for a GPU `cloudseg doctor` says PyTorch cannot use. Remembered in .venv for later targets;
