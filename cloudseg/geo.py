@@ -19,6 +19,7 @@ import math
 import re
 import threading
 from pathlib import Path
+from typing import Callable
 
 import cv2
 import numpy as np
@@ -237,9 +238,18 @@ def output_bands(probs: torch.Tensor, valid: torch.Tensor, thresholds) -> tuple[
     pixels, then each class's mask pixels among them. `probs` (4×n×W float32) and `valid` (n×W
     bool) stay where they are: on a CUDA device the bands and counts are made there and copied
     (one host sync), on the CPU OpenCV makes them (one vectorised pass each, 8× NumPy's speed)."""
+    return output_bands_soon(probs, valid, thresholds)()
+
+
+def output_bands_soon(probs: torch.Tensor, valid: torch.Tensor, thresholds) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    """`output_bands` in two halves: this starts it, the function returned gives its result. On a
+    CUDA device the work and the copies to the host are queued now, behind the work that made
+    `probs` and before any queued later, and the function waits for them alone (`to_host_soon`):
+    a thread that writes rows need not wait for the model's next batches too. On the CPU the
+    function does OpenCV's work itself, in the thread that calls it, reading `probs` and `valid` then."""
     above = [math.floor(threshold * 255) for threshold in thresholds]  # q > t·255 ⇔ q > ⌊t·255⌋ for integers q
     if probs.device.type == "cpu":
-        return _output_bands_opencv(probs.numpy(), valid.numpy(), above)
+        return functools.partial(_output_bands_opencv, probs.numpy(), valid.numpy(), above)
     return _output_bands_torch(probs, valid, above)
 
 
@@ -258,23 +268,36 @@ def _output_bands_opencv(probs: np.ndarray, valid: np.ndarray, above: list[int])
     return bands, np.array(counts, np.int64)
 
 
-def _output_bands_torch(probs: torch.Tensor, valid: torch.Tensor, above: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _output_bands_torch(probs: torch.Tensor, valid: torch.Tensor,
+                        above: list[int]) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
     quantized = (probs * 255).round_().clamp_(max=255).to(torch.uint8)  # saturated, as quantize and OpenCV
     masks = torch.stack([quantized[label] > level for label, level in enumerate(above)]) & valid
     bands = torch.cat([(probs * (NODATA - 1)).round_().to(torch.uint8), masks.to(torch.uint8)])
     counts = torch.cat([valid.sum().view(1), masks.sum((1, 2))])
-    return to_host(bands.masked_fill_(~valid, NODATA), counts)
+    on_host = to_host_soon(bands.masked_fill_(~valid, NODATA), counts)
+    return lambda: tuple(tensor.numpy() for tensor in on_host())
 
 
-def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """The tensors as NumPy arrays; from a GPU through pinned memory, all with one host sync."""
+def to_host_soon(*tensors: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """What gives the tensors on the host (as they are, on the CPU). From a GPU: copied into pinned
+    memory, queued now on the current stream, and the function waits for these copies alone (one host
+    sync, `syncs.NAMED["segment rows"]`, on an event recorded behind them), not for the work queued
+    after them as the stream's synchronize would. The event blocks the waiting thread rather than
+    spinning: its core goes to GDAL's compression threads and the readers meanwhile."""
     if tensors[0].device.type != "cuda":
-        return tuple(tensor.numpy() for tensor in tensors)
-    host = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
-            for tensor in tensors]
-    with named_sync("segment rows", tensors[0].device):
-        torch.cuda.current_stream(tensors[0].device).synchronize()
-    return tuple(tensor.numpy() for tensor in host)
+        return lambda: tensors
+    device = tensors[0].device
+    host = tuple(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+                 for tensor in tensors)
+    copied = torch.cuda.Event(blocking=True)
+    copied.record(torch.cuda.current_stream(device))
+
+    def arrived() -> tuple[torch.Tensor, ...]:
+        with named_sync("segment rows", device):
+            copied.synchronize()
+        return host
+
+    return arrived
 
 
 # Rows of a strip of the output GeoTIFF: rows arrive a band at a time, so strips (not tiles) are

@@ -467,12 +467,12 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
     of the mapping removes the file here."""
     clock, failed = writer.clock, []  # failed: the first write's error, from the writer's or the lane's thread
 
-    def encode(top, probs, valid):
+    def encode(top, bands_soon):
         if failed:
             return
         try:
             with clock("encode"):
-                bands, pixel_counts = geo.output_bands(probs, valid, thresholds)
+                bands, pixel_counts = bands_soon()
             with clock("write"):
                 counts.add(top, bands, pixel_counts)
             chosen = geo.chosen_bands(bands, options.outputs)
@@ -514,7 +514,9 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
         for top, probs, valid in rows:
             if failed:
                 raise failed[0]
-            writer.submit(encode, top, probs, valid)
+            with clock("encode"):  # a GPU's work queued here, its wait in the writer's thread
+                bands_soon = geo.output_bands_soon(probs, valid, thresholds)
+            writer.submit(encode, top, bands_soon)
     except BaseException as error:
         failed.append(error)  # the queued encodes and writes of this file return at once
         writer.wait()  # no write of this file left running

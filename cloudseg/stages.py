@@ -9,7 +9,8 @@ up to more than the wall time; the bound is judged by each stage's busiest threa
 Host clocks only, and no host sync of their own: on a GPU the model and the blend are queued, not
 run, when their clock stops, so their seconds are the host's time to queue them; the GPU's own time
 shows where the host waits for it, in `encode` (the one named host sync per row of windows,
-`syncs.NAMED["segment rows"]`, made while the finished rows are encoded and copied to the host).
+`syncs.NAMED["segment rows"]`: the writer waits for the finished rows' encode and copy to the host,
+queued by the main thread as it released them).
 """
 
 from __future__ import annotations

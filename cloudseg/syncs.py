@@ -28,7 +28,7 @@ NAMED = {
     "ranks agree": "with several processes only, twice per window: how many images all ranks have, and whether "
                    "any was asked to stop (an all-reduced number read on the host)",
     "segment rows": "cloudseg segment on a GPU, once per row of windows: the finished rows' uint8 output bands and "
-                    "counts copied to the host for writing",
+                    "counts copied to the host for writing (the writer waits on an event behind the copies)",
 }
 counts: collections.Counter[str] = collections.Counter()  # named syncs made in this process, by name
 

@@ -12,7 +12,7 @@ runtime does (the memory functions, synchronize, streams), IndexError where torc
 its tuple of generators (the random states). The fake behaves as after CUDA's initialization:
 before it, torch's memory statistics read 0 without checking their argument. It also keeps what
 the GPU path leans on besides memory: streams (the current one per card, `torch.cuda.stream`,
-`synchronize`, `wait_stream`, `Tensor.record_stream`), the sync debug mode (a stream's
+`synchronize`, `wait_stream`, `Tensor.record_stream`), events (`record`, `synchronize`), the sync debug mode (a stream's
 synchronize raises under "error", as torch's does; `torch.cuda.synchronize()` does not: torch's
 sync debug mode checks stream syncs and copies only, as an H100 showed), and one random state per
 card (16 bytes: seed and offset, as CUDA's Philox generator keeps them), which `torch.manual_seed`
@@ -83,6 +83,31 @@ class FakeStream:
         if not isinstance(stream, FakeStream):  # torch takes only a Stream
             raise TypeError(f"wait_stream expects a Stream, got {type(stream).__name__}")
         self.cuda.calls.append(("wait_stream", self.name, stream.name))
+
+
+@dataclass(eq=False)
+class FakeEvent:
+    """A CUDA event (torch.cuda.Event) of a fake card: its records and synchronizes go into the
+    FakeCuda's log. As torch's: recorded on the current stream unless given one (a Stream only),
+    bound to the card of its first record, and its synchronize is not checked by the sync debug
+    mode (c10's CUDAEvent::synchronize calls cudaEventSynchronize alone; tests/test_gpu.py holds
+    the real one to that)."""
+
+    cuda: "FakeCuda"
+    blocking: bool = False
+    stream: FakeStream | None = None  # where it was last recorded
+
+    def record(self, stream=None) -> None:
+        stream = self.cuda.current_stream() if stream is None else stream
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"record(): argument 'stream' must be Stream, not {type(stream).__name__}")
+        if self.stream is not None and stream.index != self.stream.index:
+            raise RuntimeError(f"Event device {self.stream.index} does not match recording stream's device {stream.index}.")
+        self.stream = stream
+        self.cuda.calls.append(("record event", stream.name))
+
+    def synchronize(self) -> None:
+        self.cuda.calls.append(("synchronize event", self.stream and self.stream.name, self.cuda.sync_debug_mode))
 
 
 GTX_1080_TI = Card("NVIDIA GeForce GTX 1080 Ti", (6, 1), 11264 * 2**20)
@@ -177,6 +202,9 @@ class FakeCuda:
         index = self.index(device, True, RuntimeError)
         return FakeStream(self, index, f"stream {len(self.calls)} of GPU {index}")
 
+    def new_event(self, enable_timing=False, blocking=False, interprocess=False, external=False) -> FakeEvent:
+        return FakeEvent(self, blocking=bool(blocking))
+
     @contextlib.contextmanager
     def stream(self, stream):
         """torch.cuda.stream: `stream` the current one of its card (None: no change)."""
@@ -261,6 +289,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "current_stream", self.current_stream)
         monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
         monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.new_event)
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: self.record_stream(tensor, stream))
         monkeypatch.setattr(torch.cuda, "get_rng_state", self.get_rng_state)
         monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_rng_state)

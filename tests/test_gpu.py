@@ -173,18 +173,20 @@ def test_the_fake_of_this_machine_s_gpus_reports_what_torch_cuda_reports(fake_cu
 
 def test_the_fake_streams_sync_mode_and_random_states_behave_as_torch_cuda(fake_cuda):
     """The faked functions without a device argument, real against fake: a bad sync debug mode
-    refused, a stream's and the device's synchronize raising under "error" (and not inside
-    another mode), set_rng_state_all past the last GPU an IndexError, and torch.manual_seed
+    refused, a stream's, the device's and an event's synchronize raising under "error" or not (and
+    not inside another mode), set_rng_state_all past the last GPU an IndexError, and torch.manual_seed
     giving every GPU the same state. Would catch: a fake that lets a sync through where torch
     raises (the CPU test of the decode's stream would then prove nothing), or random states
     that torch keeps otherwise. Assumes: the sync debug mode at "default" before the test."""
 
     def behaviour() -> dict:
         outcome = {"bad mode": raised(lambda _: torch.cuda.set_sync_debug_mode("loud"), None)}
-        stream = torch.cuda.Stream(gpu())
+        stream, event = torch.cuda.Stream(gpu()), torch.cuda.Event(blocking=True)
+        event.record(stream)
         torch.cuda.set_sync_debug_mode("error")
         try:
             outcome["stream sync"] = raised(lambda _: stream.synchronize(), None)
+            outcome["event sync"] = raised(lambda _: event.synchronize(), None)
             outcome["device sync"] = raised(lambda _: torch.cuda.synchronize(gpu()), None)
             outcome["mode"] = torch.cuda.get_sync_debug_mode()
         finally:
@@ -202,7 +204,7 @@ def test_the_fake_streams_sync_mode_and_random_states_behave_as_torch_cuda(fake_
     fake_cuda(*this_machine_s_cards(), arch_list=torch.cuda.get_arch_list(), cuda=torch.version.cuda)
     fake = behaviour()
     assert real.keys() == fake.keys()
-    assert all(same_outcome(real[key], fake[key]) if key in ("bad mode", "stream sync", "device sync",
+    assert all(same_outcome(real[key], fake[key]) if key in ("bad mode", "stream sync", "event sync", "device sync",
                                                               "too many states") else real[key] == fake[key]
                for key in real), (real, fake)
 
@@ -753,6 +755,25 @@ def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
     assert np.array_equal(cpu[4:][~near], gpu_bands[4:][~near])
     for label in ("Fish", "Flower", "Gravel", "Sugar"):
         assert abs(cpu_record[label] - gpu_record[label]) <= near.sum() / cpu_record["valid_pixels"], label
+
+
+def test_rows_reach_the_host_without_waiting_for_the_work_queued_after_them():
+    """geo.to_host_soon's copies, then about a second of GPU sleep queued behind them (the model's
+    next batches in `cloudseg segment`), then the wait for the copies: it returns while the sleep
+    still runs, with the values. Would catch: the stream's synchronize (the writer thread would wait
+    for the next batches too), an event recorded after later work. Assumes: a clock under 2 GHz
+    (2**31 cycles then take over a second)."""
+    from cloudseg.geo import to_host_soon
+    values = torch.arange(100_000, device=gpu())
+    arrived = to_host_soon(values, values * 2)
+    torch.cuda._sleep(2**31)
+    slept = torch.cuda.Event()
+    slept.record()
+    on_host = arrived()
+    still_sleeping = not slept.query()
+    torch.cuda.synchronize()
+    assert still_sleeping
+    assert torch.equal(on_host[0], torch.arange(100_000)) and torch.equal(on_host[1], 2 * torch.arange(100_000))
 
 
 def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_path):

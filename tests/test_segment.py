@@ -270,11 +270,40 @@ def test_output_bands_are_the_same_on_every_device_and_as_the_rule_says():
     expected_counts = [valid.sum(), *masks.sum((1, 2))]
     above = [int(np.floor(t * 255)) for t in thresholds]
     for name, (bands, counts) in {"opencv": _output_bands_opencv(probs, valid, above),
-                                  "torch": _output_bands_torch(torch.from_numpy(probs), torch.from_numpy(valid), above),
+                                  "torch": _output_bands_torch(torch.from_numpy(probs), torch.from_numpy(valid), above)(),
                                   "dispatch": output_bands(torch.from_numpy(probs), torch.from_numpy(valid), thresholds)
                                   }.items():
         np.testing.assert_array_equal(bands, expected, err_msg=name)
         assert counts.tolist() == expected_counts, name
+
+
+def test_rows_come_to_the_host_behind_an_event_of_their_own_not_the_stream(fake_cuda, monkeypatch):
+    """CPU, a fake GPU (FakeTensorMode's CUDA tensors, tests/fake_cuda.py's streams and events,
+    the sync debug mode at "error"): geo.to_host_soon queues copies into pinned memory and records
+    an event behind them on the current stream, with no host sync; what it returns then waits on
+    that event alone, inside the named sync "segment rows". Would catch: the stream's synchronize
+    (on a GPU it also waits for the model's next batches, queued meanwhile: a writer thread held
+    up), the wait made at the launch, a copy into pageable memory, a wait left unnamed."""
+    from cloudseg import syncs
+    from cloudseg.geo import to_host_soon
+    from tests.fake_cuda import H100
+
+    cuda = fake_cuda(H100)
+    real_empty, pinned = torch.empty, []
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: pinned.append(kwargs.get("pin_memory")) or
+                        real_empty(*args, **kwargs))
+    torch.cuda.set_sync_debug_mode("error")
+    before = syncs.counts["segment rows"]
+    with FakeTensorMode(allow_non_fake_inputs=True), HostSyncs() as host_syncs:
+        bands, counts = torch.zeros((8, 5, 7), dtype=torch.uint8, device="cuda"), torch.zeros(5, device="cuda")
+        arrived = to_host_soon(bands, counts)
+        launched, named_at_launch = list(cuda.calls), syncs.counts["segment rows"] - before
+        on_host = arrived()
+    stream = "default stream of GPU 0"
+    assert launched == [("record event", stream)] and named_at_launch == 0 and pinned == [True, True]
+    assert cuda.calls[len(launched):] == [("synchronize event", stream, 0)]  # 0: inside the named sync
+    assert syncs.counts["segment rows"] - before == 1 and host_syncs.found == []
+    assert [(tensor.device.type, tuple(tensor.shape)) for tensor in on_host] == [("cpu", (8, 5, 7)), ("cpu", (5,))]
 
 
 def test_a_model_trained_without_an_image_size_maps_at_the_size_it_trained_on(data_copy, tmp_path):
