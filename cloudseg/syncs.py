@@ -8,7 +8,8 @@ stops the CPU from running ahead of the GPU: the GPU then idles while the CPU pr
 micro-batch. So a steady-state window (decode, augmentation replay, forward, backward, step)
 makes only the syncs listed in `NAMED`, each inside `named_sync`, which counts it and, on a GPU,
 lets it through `torch.cuda.set_sync_debug_mode`: with the mode at "error" (tests/test_gpu.py)
-any other sync in the window raises. docs/memory-and-gpus.md lists them.
+any other sync in the window raises. docs/memory-and-gpus.md lists them. `segment rows` waits on
+an event instead: for the work queued before it alone, which that mode does not check.
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ counts: collections.Counter[str] = collections.Counter()  # named syncs made in 
 
 
 @contextlib.contextmanager
-def named_sync(name: str, device: torch.device):
+def named_sync(name: str, device: torch.device, checked: bool = True):
     """Around a host sync the code means to make (one of `NAMED`): counted, and on a CUDA device
-    exempt from `torch.cuda.set_sync_debug_mode` for its duration."""
+    exempt from `torch.cuda.set_sync_debug_mode` for its duration where that mode `checked` it (a
+    stream's synchronize, a blocking copy, a value read). An event's synchronize, which waits for
+    the work queued before the event alone, is not checked: the mode, process-wide, stays on then,
+    for the other threads' syncs."""
     if name not in NAMED:
         raise KeyError(f"{name!r} is not a named sync ({', '.join(NAMED)})")
     counts[name] += 1
-    mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
+    mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" and checked else 0
     if mode:
         torch.cuda.set_sync_debug_mode(0)
     try:

@@ -102,8 +102,8 @@ DEVICE_CALLS = {
 # The functions it fakes without a device argument (their values are compared below); that the two
 # sets are all it fakes is checked on the CPU (tests/test_cuda_paths.py).
 WITHOUT_DEVICE = {"is_available", "device_count", "current_device", "get_arch_list", "is_bf16_supported", "empty_cache",
-                  "get_sync_debug_mode", "set_sync_debug_mode", "stream", "get_rng_state_all", "set_rng_state_all",
-                  "manual_seed_all"}
+                  "get_sync_debug_mode", "set_sync_debug_mode", "stream", "Event", "get_rng_state_all",
+                  "set_rng_state_all", "manual_seed_all"}
 
 
 def device_forms() -> dict[str, object]:
@@ -757,23 +757,26 @@ def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
         assert abs(cpu_record[label] - gpu_record[label]) <= near.sum() / cpu_record["valid_pixels"], label
 
 
-def test_rows_reach_the_host_without_waiting_for_the_work_queued_after_them():
-    """geo.to_host_soon's copies, then about a second of GPU sleep queued behind them (the model's
-    next batches in `cloudseg segment`), then the wait for the copies: it returns while the sleep
-    still runs, with the values. Would catch: the stream's synchronize (the writer thread would wait
-    for the next batches too), an event recorded after later work. Assumes: a clock under 2 GHz
-    (2**31 cycles then take over a second)."""
+def test_segment_rows_reach_the_host_without_waiting_for_the_work_queued_after_them():
+    """geo.to_host_soon's copies (2 × 128 MB), then about a second of GPU sleep queued behind them
+    (the model's next batches in `cloudseg segment`), then the wait for the copies: it returns
+    while the sleep still runs, and the copies' last values are there at once. Would catch: the
+    stream's synchronize (the writer thread would wait for the next batches too), an event recorded
+    before the copies (their last bytes, a few milliseconds of copying later, read too soon).
+    Assumes: a clock under 2 GHz (2**31 cycles then take over a second)."""
     from cloudseg.geo import to_host_soon
-    values = torch.arange(100_000, device=gpu())
+    values = torch.arange(2**24, device=gpu()) + 7
     arrived = to_host_soon(values, values * 2)
     torch.cuda._sleep(2**31)
     slept = torch.cuda.Event()
     slept.record()
     on_host = arrived()
+    last = (int(on_host[0][-1]), int(on_host[1][-1]))  # read at once: what the copies wrote last
     still_sleeping = not slept.query()
     torch.cuda.synchronize()
-    assert still_sleeping
-    assert torch.equal(on_host[0], torch.arange(100_000)) and torch.equal(on_host[1], 2 * torch.arange(100_000))
+    assert still_sleeping and last == (2**24 + 6, 2 * (2**24 + 6))
+    expected = torch.arange(2**24) + 7
+    assert torch.equal(on_host[0], expected) and torch.equal(on_host[1], 2 * expected)
 
 
 def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_path):

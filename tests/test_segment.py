@@ -281,17 +281,22 @@ def test_rows_come_to_the_host_behind_an_event_of_their_own_not_the_stream(fake_
     """CPU, a fake GPU (FakeTensorMode's CUDA tensors, tests/fake_cuda.py's streams and events,
     the sync debug mode at "error"): geo.to_host_soon queues copies into pinned memory and records
     an event behind them on the current stream, with no host sync; what it returns then waits on
-    that event alone, inside the named sync "segment rows". Would catch: the stream's synchronize
-    (on a GPU it also waits for the model's next batches, queued meanwhile: a writer thread held
-    up), the wait made at the launch, a copy into pageable memory, a wait left unnamed."""
+    that event alone, counted as the named sync "segment rows", the debug mode left on (torch's
+    does not check an event's synchronize, and other threads' syncs stay checked). Would catch:
+    the stream's synchronize (on a GPU it also waits for the model's next batches, queued
+    meanwhile: a writer thread held up), the event recorded before the copies, the wait made at
+    the launch, a copy into pageable memory or a blocking one, a wait left uncounted, the mode
+    lifted for the whole process while the writer waits."""
     from cloudseg import syncs
     from cloudseg.geo import to_host_soon
     from tests.fake_cuda import H100
 
     cuda = fake_cuda(H100)
-    real_empty, pinned = torch.empty, []
+    real_empty, pinned, real_copy = torch.empty, [], torch.Tensor.copy_
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: pinned.append(kwargs.get("pin_memory")) or
                         real_empty(*args, **kwargs))
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, source, non_blocking=False:
+                        cuda.calls.append(("copy", source.device.type, non_blocking)) or real_copy(self, source, non_blocking))
     torch.cuda.set_sync_debug_mode("error")
     before = syncs.counts["segment rows"]
     with FakeTensorMode(allow_non_fake_inputs=True), HostSyncs() as host_syncs:
@@ -300,8 +305,9 @@ def test_rows_come_to_the_host_behind_an_event_of_their_own_not_the_stream(fake_
         launched, named_at_launch = list(cuda.calls), syncs.counts["segment rows"] - before
         on_host = arrived()
     stream = "default stream of GPU 0"
-    assert launched == [("record event", stream)] and named_at_launch == 0 and pinned == [True, True]
-    assert cuda.calls[len(launched):] == [("synchronize event", stream, 0)]  # 0: inside the named sync
+    assert launched == [("copy", "cuda", True), ("copy", "cuda", True), ("record event", stream)]
+    assert named_at_launch == 0 and pinned == [True, True]
+    assert cuda.calls[len(launched):] == [("synchronize event", stream, 2)]  # 2: the mode still "error"
     assert syncs.counts["segment rows"] - before == 1 and host_syncs.found == []
     assert [(tensor.device.type, tuple(tensor.shape)) for tensor in on_host] == [("cpu", (8, 5, 7)), ("cpu", (5,))]
 
