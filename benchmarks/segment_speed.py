@@ -33,6 +33,11 @@ predict.compile=auto does for a large job); wall-clock, so other processes on th
 megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
 the same model (a for b, c; d for e, f).
 
+Row h (on CUDA, or with --rows ...h): row c with the writer's wait as it was before commit 0b745e4
+(the band's GPU work queued by the writer thread when it comes to it, then the stream synchronized,
+which also waits for the batches the main thread queued meanwhile), in turn with row c again, each
+at least twice: a side-by-side measure of the event the writer now waits on (geo.to_host_soon).
+
 Row g: row c again with N files written at once (--files-at-once N, default 2; 1: no row g):
 each scene's writes in a thread of their own (segment.FILES_AT_ONCE), the next scene mapped while
 the last one is written; its speed-up is against row a. --codecs: row c again in each codec named
@@ -68,7 +73,9 @@ Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scen
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
+import contextlib
 import datetime
 import logging
 import math
@@ -116,6 +123,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO if args.log else logging.WARNING)
     device = resolve_device(args.device)
+    args.rows = args.rows or "abcdef" + ("h" if device.type == "cuda" else "")  # row h means something on CUDA
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
@@ -125,13 +133,16 @@ def main() -> None:
         model, _ = load_model(checkpoint, device)
         rows = Rows(args.scenes * args.height * args.width / 1e6)
 
-        def segment_row(name: str, where: str, overlap: float = 0.25, forward=None,
-                        compress: str = geo.DEFAULT_CODEC) -> None:
-            """Row `name`: `run_segment` on the scenes into folder/where, each run after a warm-up scene."""
+        def segment_runs(where: str, overlap: float = 0.25, forward=None, compress: str = geo.DEFAULT_CODEC,
+                         repeat: int = args.repeat) -> tuple[float, float, str | None]:
+            """`run_segment` on the scenes into folder/where, each run after a warm-up scene: `timed`."""
             run = partial(run_segment, checkpoint=checkpoint, args=args, overlap=overlap, device=device,
                           forward=forward, compress=compress)
-            rows[name] = timed(lambda out: run(scenes, out=out), lambda out: run([warm], out=out), folder / where,
-                               args.repeat)
+            return timed(lambda out: run(scenes, out=out), lambda out: run([warm], out=out), folder / where, repeat)
+
+        def segment_row(name: str, where: str, overlap: float = 0.25, forward=None,
+                        compress: str = geo.DEFAULT_CODEC) -> None:
+            rows[name] = segment_runs(where, overlap, forward, compress)
 
         for letters, name, forward in (("abc", "", model), ("def", ", no model", Constant())):
             if letters[0] in args.rows:
@@ -143,6 +154,19 @@ def main() -> None:
                 if letter in args.rows:
                     segment_row(f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})", letter,
                                 overlap, None if forward is model else forward)
+        if "h" in args.rows:  # the writer's wait as before, in turn with row c: the fastest of each
+            in_turn = {f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), again": contextlib.nullcontext,
+                       f"h. cloudseg segment, overlap 0.25 (batch {args.batch}), the writer waiting on the stream":
+                       writer_waiting_on_the_stream}
+            runs = collections.defaultdict(list)
+            for turn in range(max(2, args.repeat)):
+                for index, (name, waiting) in enumerate(in_turn.items()):
+                    with waiting():
+                        runs[name].append(segment_runs(f"h{index}-{turn}", repeat=1))
+                    print(f"  run {turn + 1} of {name[:2]} {'again' if index == 0 else 'the stream'}: "
+                          f"{runs[name][-1][0]:.2f} s", flush=True)
+            for name, results in runs.items():
+                rows[name] = min(results, key=lambda result: result[0])
         for codec in args.codecs:  # row c in another codec, then row g in each
             if codec != geo.DEFAULT_CODEC and "c" in args.rows:
                 segment_row(f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), {codec}", f"c-{codec}",
@@ -220,7 +244,8 @@ def parse_args():
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is shown")
     parser.add_argument("--config", default="configs/demo.yaml", help="the model's architecture")
     parser.add_argument("--log", action="store_true", help="segment's own log lines (loading time, rate)")
-    parser.add_argument("--rows", default="abcdef", help="which of rows a-f to time (row g: --files-at-once)")
+    parser.add_argument("--rows", help="which of rows a-f and h to time (default abcdef, and h on CUDA; "
+                        "row g: --files-at-once)")
     parser.add_argument("--codecs", nargs="+", default=[geo.DEFAULT_CODEC], choices=list(geo.CODECS),
                         help=f"row c again in each codec but the default ({geo.DEFAULT_CODEC}), then row g in each")
     parser.add_argument("--files-at-once", type=int, default=2, metavar="N",
@@ -231,6 +256,26 @@ def parse_args():
                         help="also time two `cloudseg segment` calls in new processes")
     add_device_option(parser, "the scenes are mapped")
     return parser.parse_args()
+
+
+
+@contextlib.contextmanager
+def writer_waiting_on_the_stream():
+    """Row h: segment's encode as before commit 0b745e4. The GPU's work for a band is queued by the
+    writer's thread when it comes to that band, behind the batches the main thread queued meanwhile,
+    and the writer then synchronizes the stream, waiting for all of them."""
+    now = geo.output_bands_soon
+
+    def queued_by_the_writer(probs, valid, thresholds):
+        def encode():
+            bands = now(probs, valid, thresholds)
+            if probs.device.type == "cuda":
+                torch.cuda.current_stream(probs.device).synchronize()
+            return bands()
+        return encode
+
+    with unittest.mock.patch.object(geo, "output_bands_soon", queued_by_the_writer):
+        yield
 
 
 def write_checkpoint(path: Path, config_file: str, tile) -> Path:

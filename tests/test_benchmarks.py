@@ -149,15 +149,21 @@ def test_segment_benchmark_prints_its_table():
     its stage line (or the naive loop given one it cannot have), the writes-alone table missing a
     codec or timing files at once that are not there (writes_alone itself checks each file read
     back against row c's map), a writing thread's CPU seconds not its own (the process's clock
-    counts GDAL's compression threads too, and so runs ahead of the wall clock where they work)."""
-    out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost")  # two scenes: two files at once
+    counts GDAL's compression threads too, and so runs ahead of the wall clock where they work),
+    row h (the writer's wait before the event) not timed in turn with row c again."""
+    out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost", "--rows", "abcdefh")  # two scenes: two files at once
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
-                "e. cloudseg segment, no model, overlap 0.0 (batch 4)", "f. cloudseg segment, no model, overlap 0.25 (batch 4)"):
+                "e. cloudseg segment, no model, overlap 0.0 (batch 4)", "f. cloudseg segment, no model, overlap 0.25 (batch 4)",
+                "c. cloudseg segment, overlap 0.25 (batch 4), again",
+                "h. cloudseg segment, overlap 0.25 (batch 4), the writer waiting on the stream"):
         assert f"| {row} |" in out
     assert "scenes/s | megapixels/s" in out and "fixed cost" not in out
     stages = [line for line in out.splitlines() if "| stages: read " in line]
-    assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f.", "g."]
+    assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f.", "c.", "h.", "g."]
+    # row h and row c again in turn, two runs each (the fastest shown): four runs, then g's one
+    assert re.findall(r"run (\d) of (c\. again|h\. the stream)", out) == [
+        ("1", "c. again"), ("1", "h. the stream"), ("2", "c. again"), ("2", "h. the stream")]
     assert "| g. cloudseg segment, overlap 0.25 (batch 4), 2 files at once |" in out
     assert all(" — bound by: " in line and "; from the first read: read 0.00 to " in line for line in stages)
     writes = [line.split(" | ") for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
