@@ -9,11 +9,10 @@ from __future__ import annotations
 import random
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import cv2
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -33,6 +32,9 @@ from cloudseg.task import (
     TRAIN_IMAGES,
     split_image_label,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # ---------------------------------------------------------------------------------- CSV
 
@@ -55,6 +57,8 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
     given a `problems` list, it is appended there instead and its image left out. A missing
     file or a wrong header always raises.
     """
+    import pandas as pd  # here: pandas takes 0.3 s to import; a command without tables (segment) never does
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found")
@@ -498,6 +502,7 @@ def make_folds(labels: pd.DataFrame, n_folds: int = 5, seed: int = 42) -> pd.Ser
     (MultilabelStratifiedKFold from iterative-stratification balances each label's count but
     not fold sizes: on the same table folds differed by up to 67 images and shares by up to 3.6%.)
     """
+    import pandas as pd
     from sklearn.model_selection import StratifiedKFold  # here: scikit-learn takes seconds to import; only folds use it
 
     if len(labels) < n_folds:
@@ -536,7 +541,7 @@ def label_strata(present: np.ndarray, n_folds: int) -> np.ndarray:
 def warn_if_unbalanced(present: np.ndarray, fold: np.ndarray) -> None:
     """A warning naming the worst label share when some fold's is POOR_BALANCE off the overall."""
     overall = present.mean(0)
-    per_fold = pd.DataFrame(present).groupby(fold).mean().to_numpy()
+    per_fold = np.stack([present[fold == k].mean(0) for k in np.unique(fold)])
     gap = np.abs(per_fold - overall)
     if gap.max() > POOR_BALANCE:
         k, j = np.unravel_index(gap.argmax(), gap.shape)
@@ -551,6 +556,8 @@ def load_folds(data_dir: str | Path, n_folds: int = 5, seed: int = 42,
 
     With a `problems` list, images with bad train.csv rows are left out (see `read_label_csv`).
     """
+    import pandas as pd
+
     path = Path(data_dir) / FOLDS_CSV
     labels = read_train_csv(data_dir, problems)
     if not path.is_file():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import csv
 import glob
 import json
 import logging
@@ -40,7 +41,6 @@ from typing import NamedTuple
 
 import cv2
 import numpy as np
-import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -570,9 +570,9 @@ def find_scenes(sources: list[str]) -> list[Path]:
     scenes = sorted(found)
     if not scenes:
         raise FileNotFoundError(f"no JPEG, PNG or GeoTIFF scenes in {', '.join(sources)}")
-    stems = pd.Series([p.stem for p in scenes])
-    if stems.duplicated().any():
-        raise ValueError(f"two scenes named {stems[stems.duplicated()].iloc[0]} would write the same outputs: "
+    twice = [stem for stem, count in collections.Counter(p.stem for p in scenes).items() if count > 1]
+    if twice:
+        raise ValueError(f"two scenes named {twice[0]} would write the same outputs: "
                          "segment them into different --out folders")
     return scenes
 
@@ -713,15 +713,27 @@ def scene_error(path: Path, error: BaseException) -> str:
     return text if text.startswith(str(path)) else f"{path}: {text}"
 
 
+FRACTION_COLUMNS = ("name", "time", "height", "width", "valid_pixels", *LABELS)
+
+
+def write_fractions(records: list[dict], path: Path) -> None:
+    """The scenes' records as a CSV of FRACTION_COLUMNS, a row each, written as pandas writes a
+    table (empty where there is no value: no time, no valid pixel's fractions), without importing
+    it: 0.3 s of a one-scene call."""
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as file:
+        table = csv.writer(file, lineterminator="\n")
+        table.writerow(FRACTION_COLUMNS)
+        table.writerows([None if isinstance(value, float) and math.isnan(value) else value
+                         for value in map(record.get, FRACTION_COLUMNS)] for record in records)
+
+
 def write_summaries(scenes: list[Path], out_dir: Path, grid: float | None) -> None:
     """fractions.csv (one row per scene done: time, size, valid pixels, each class's area
     fraction of the valid pixels) and, with `grid`, grid.nc over the georeferenced scenes."""
     records = [json.loads(done_file(out_dir, path).read_text()) for path in scenes if is_done(out_dir, path, grid)]
     if not records:
         return
-    table = pd.DataFrame(records)[["name", "time", "height", "width", "valid_pixels", *LABELS]]
-    with atomic_path(out_dir / FRACTIONS_CSV) as tmp:
-        table.to_csv(tmp, index=False)
+    write_fractions(records, out_dir / FRACTIONS_CSV)
     gridded = [record for record in records if "cells" in record]
     if grid and gridded:
         for record in gridded:

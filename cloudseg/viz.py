@@ -7,14 +7,17 @@ Notebooks only call these; they define no logic of their own.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
-import pandas as pd
 
 from cloudseg import rle
 from cloudseg.metrics import resize_masks
 from cloudseg.task import LABELS, SUBMISSION_SHAPE
+
+if TYPE_CHECKING:  # pandas in the functions that make tables: segment imports this module for `overlay`
+    import pandas as pd
 
 COLORS = {"Fish": (230, 25, 75), "Flower": (60, 180, 75), "Gravel": (255, 225, 25), "Sugar": (0, 130, 200)}
 """One RGB colour per class, in every picture."""
@@ -157,6 +160,8 @@ def label_stats(labels: pd.DataFrame) -> dict[str, pd.DataFrame | pd.Series]:
 def mask_stats(labels: pd.DataFrame, shape, limit: int = 500, seed: int = 0) -> pd.DataFrame:
     """Per (image, label) with a mask: coverage (area fraction) and bounding-box height and width
     as fractions of the image, on up to `limit` images."""
+    import pandas as pd
+
     ids = labels.index.to_series().sample(min(limit, len(labels)), random_state=seed)
     rows = []
     for image_id in ids:
@@ -171,6 +176,8 @@ def mask_stats(labels: pd.DataFrame, shape, limit: int = 500, seed: int = 0) -> 
 
 def band_stats(image_dir: str | Path, image_ids, limit: int = 200) -> pd.Series:
     """Black (no-data) share of each image, on up to `limit` images."""
+    import pandas as pd
+
     from cloudseg.data import read_image
     from cloudseg.predict import BLACK_LEVEL
 
@@ -231,6 +238,8 @@ def plot_grid(pictures: list[np.ndarray], titles: list[str], columns: int = 2):
 def oof_dice(run_dir: str | Path, rule: dict | None = None) -> pd.DataFrame:
     """Per-image Dice of a run's out-of-fold predictions under a post-processing rule (default:
     the run's config), with the per-class columns."""
+    import pandas as pd
+
     from cloudseg.checkpoint import load_checkpoint
     from cloudseg.config import from_dict
     from cloudseg.metrics import dice
@@ -294,6 +303,8 @@ def find_run(root: str | Path = "runs") -> Path:
 
 def run_metrics(run_dir: str | Path) -> pd.DataFrame:
     """A run's metrics.csv."""
+    import pandas as pd
+
     return pd.read_csv(Path(run_dir) / "metrics.csv")
 
 
