@@ -1,7 +1,6 @@
 """`python -m cloudseg` (and `torchrun -m cloudseg`) runs the command line."""
 
-import sys
+from cloudseg.cli import entry
 
-from cloudseg.cli import main
-
-sys.exit(main())
+if __name__ == "__main__":  # not again in a process that imports it (multiprocessing's spawn)
+    entry()
