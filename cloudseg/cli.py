@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import logging
 import os
 import re
@@ -44,16 +45,25 @@ def exit_now(code: int) -> None:
     which frees torch's, sympy's and the other modules' objects one by one (1.1 s of the demo's
     7.6 s one-image `cloudseg segment` call on 2 cores, and 116 MB at its peak; BENCHMARKS.md).
     What an exit must do still runs: the exit handlers (logging's flush, the data loaders'
-    workers, temporary folders, the others' own), then the standard streams' flush. Objects left
-    alive at any exit may never be finalized (Python's own rule), so nothing cloudseg writes waits
-    for that: its files are closed, renamed into place, by then. Where a thread other than the main
-    one is still running and not a daemon, the interpreter ends as usual, which waits for it."""
-    if any(thread is not threading.main_thread() and not thread.daemon for thread in threading.enumerate()):
+    workers, temporary folders, the others' own), then the flush of the standard streams and of
+    the C library's. Objects left alive at any exit may never be finalized (Python's own rule), so
+    nothing cloudseg writes waits for that: its files are closed, renamed into place, by then.
+    The interpreter ends as usual, and so waits or reports, where a thread other than the main one
+    is still running and not a daemon, where a profiler or tracer watches (cProfile, a debugger,
+    coverage), and with CLOUDSEG_FAST_EXIT=0 (for tools that collect at the C library's exit, as
+    CUDA's profilers may)."""
+    if (os.environ.get("CLOUDSEG_FAST_EXIT") == "0" or sys.getprofile() or sys.gettrace()
+            or any(thread is not threading.main_thread() and not thread.daemon for thread in threading.enumerate())):
         sys.exit(code)
     atexit._run_exitfuncs()  # what the interpreter's end would run first; os._exit runs none
     for stream in (sys.stdout, sys.stderr):
-        if stream is not None and not stream.closed:
-            stream.flush()
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except (OSError, ValueError):  # a reader gone (`| head`): Python's own exit says 120
+            code = code or 120
+    if os.name == "posix":
+        ctypes.CDLL(None).fflush(None)  # what extensions printed through C's stdio
     os._exit(code)
 
 

@@ -720,7 +720,7 @@ def write_fractions(records: list[dict], path: Path) -> None:
     """The scenes' records as a CSV of FRACTION_COLUMNS, a row each, written as pandas writes a
     table (empty where there is no value: no time, no valid pixel's fractions), without importing
     it: 0.3 s of a one-scene call."""
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as file:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as file:
         table = csv.writer(file, lineterminator="\n")
         table.writerow(FRACTION_COLUMNS)
         table.writerows([None if isinstance(value, float) and math.isnan(value) else value

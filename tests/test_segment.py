@@ -479,9 +479,10 @@ def test_two_processes_map_every_scene_once_and_skip_the_done_ones(tiny_ensemble
 def test_fractions_csv_is_written_as_pandas_writes_the_table(tmp_path):
     """CPU. segment.write_fractions against pandas' to_csv of the same records (what segment wrote
     before it stopped importing pandas): a scene without a time, one without a valid pixel (NaN
-    fractions), a name with a comma, the grid's extra keys left out. Would catch: "nan" or
-    "None" written where pandas leaves the cell empty, a name with a comma not quoted, columns in
-    another order or an extra one, Windows line endings."""
+    fractions), a name with a comma and an accent, the grid's extra keys left out. Would catch:
+    "nan" or "None" written where pandas leaves the cell empty, a name with a comma not quoted,
+    columns in another order or an extra one, Windows line endings, the locale's encoding (not
+    UTF-8 in a C locale) instead of pandas' UTF-8."""
     import pandas as pd
 
     from cloudseg.segment import FRACTION_COLUMNS, write_fractions
@@ -489,12 +490,12 @@ def test_fractions_csv_is_written_as_pandas_writes_the_table(tmp_path):
     records = [{"name": "a.tif", "time": "2019-05-01 12:30:00", "height": 7000, "width": 18000,
                 "valid_pixels": 125_000_000, "grid": 1.0, "cells": [[0, 1]], "Fish": 0.1, "Flower": 1 / 3,
                 "Gravel": 0.0, "Sugar": 1.0},
-               {"name": "b, the dark one.png", "time": None, "height": 64, "width": 96, "valid_pixels": 0,
+               {"name": "b, nuage sombre é.png", "time": None, "height": 64, "width": 96, "valid_pixels": 0,
                 "grid": None, "Fish": float("nan"), "Flower": float("nan"), "Gravel": float("nan"),
                 "Sugar": float("nan")}]
     write_fractions(records, tmp_path / "fractions.csv")
     expected = pd.DataFrame(records)[list(FRACTION_COLUMNS)].to_csv(index=False, lineterminator="\n")
-    assert (tmp_path / "fractions.csv").read_bytes() == expected.encode()
+    assert (tmp_path / "fractions.csv").read_bytes() == expected.encode("utf-8")  # pandas' encoding, whatever the locale
 
 
 def test_a_rerun_maps_only_the_scenes_without_outputs(tiny_ensemble, tmp_path, monkeypatch):
