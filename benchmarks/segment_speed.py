@@ -258,7 +258,6 @@ def parse_args():
     return parser.parse_args()
 
 
-
 @contextlib.contextmanager
 def writer_waiting_on_the_stream():
     """Row h: segment's encode as before commit 0b745e4. The GPU's work for a band is queued by the

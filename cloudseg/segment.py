@@ -461,10 +461,10 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
                 writer: Writer, lane: Lane | None = None):
     """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands_soon`: a GPU's work queued
     here as each band comes) and write the outputs of `options` into the GeoTIFF `out` as they come,
-    in `writer`'s thread (the writes in `lane`'s, if any) while the model works on the next ones. Returns what finishes the file there (the last
-    blocks compressed, a COG copied, the temporary file renamed) or, after a failed write, removes
-    it and raises that write's error. A failed write stops the mapping at the next rows; an error
-    of the mapping removes the file here."""
+    in `writer`'s thread (the writes in `lane`'s, if any) while the model works on the next ones.
+    Returns what finishes the file there (the last blocks compressed, a COG copied, the temporary
+    file renamed) or, after a failed write, removes it and raises that write's error. A failed
+    write stops the mapping at the next rows; an error of the mapping removes the file here."""
     clock, failed = writer.clock, []  # failed: the first write's error, from the writer's or the lane's thread
 
     def encode(top, bands_soon):

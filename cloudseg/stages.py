@@ -3,8 +3,9 @@
 Data path (beyond the competition): beside `cloudseg.segment`, which times its stages here: the
 reads (in the reader threads), to the device, the model and the blend (the main thread), the
 encode (on a GPU queued by the main thread, awaited by the writer thread; on a CPU the writer's)
-and the write (the writer thread), and the main thread's waits for the reader and the writer. A stage's seconds are summed over the threads that run it, so stages overlap and may add
-up to more than the wall time; the bound is judged by each stage's busiest thread.
+and the write (the writer thread), and the main thread's waits for the reader and the writer. A
+stage's seconds are summed over the threads that run it, so stages overlap and may add up to more
+than the wall time; the bound is judged by each stage's busiest thread.
 
 Host clocks only, and no host sync of their own: on a GPU the model and the blend are queued, not
 run, when their clock stops, so their seconds are the host's time to queue them; the GPU's own time
