@@ -393,12 +393,45 @@ def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = D
                 for band, name in enumerate(names, start=1):
                     out.set_band_description(band, name)
                 yield out
+            check_whole(strips, path)
             if cog:
                 geo_module("rasterio.shutil").copy(strips, tmp, driver="COG", NUM_THREADS=WRITE_THREADS,
                                                    **COG_OPTIONS, **COG_CODECS[compress])
+                check_whole(tmp, path)
         finally:
             if cog:
                 strips.unlink(missing_ok=True)
+
+
+def check_whole(written: Path, name: Path) -> None:
+    """An OSError naming `name` unless the GeoTIFF `written` is whole: it opens, and every block of
+    every band lies in the file. GDAL writes compressed blocks, and the header at close, where
+    rasterio raises no error of theirs (a full disk, a file-size limit): only GDAL's log says so,
+    and the file would be published cut short. (A COG stores its overviews before the full
+    resolution: cut short, it loses the latter first.) About 15 ms for 2,100 blocks (8 bands of
+    4200 rows) on the 2-core VM."""
+    rasterio = geo_module("rasterio")
+    try:
+        with rasterio.open(written) as dataset:
+            missing = missing_block(dataset, written.stat().st_size)
+    except rasterio.errors.RasterioError as error:
+        missing = f"it does not open: {one_line(error).removeprefix(f'{written.name}: ')}"  # not the temporary name
+    if missing:
+        raise OSError(f"{name}: GDAL did not write the map whole ({missing}): is the disk full?")
+
+
+def missing_block(dataset, size: int) -> str | None:
+    """The first block of `dataset` (rasterio) that GDAL's TIFF metadata does not place within the
+    file's `size` bytes, named; None where all are there."""
+    (block_rows, block_cols), (rows, cols) = dataset.block_shapes[0], dataset.shape
+    for band in dataset.indexes:
+        for row in range(-(-rows // block_rows)):
+            for col in range(-(-cols // block_cols)):
+                offset = int(dataset.get_tag_item(f"BLOCK_OFFSET_{col}_{row}", "TIFF", bidx=band) or 0)
+                nbytes = int(dataset.get_tag_item(f"BLOCK_SIZE_{col}_{row}", "TIFF", bidx=band) or 0)
+                if not offset or not nbytes or offset + nbytes > size:
+                    return f"band {band}'s block at row {row}, column {col} is not in the file"
+    return None
 
 
 # GDAL's COG driver: 512×512 tiles, overviews, the header first (HTTP range reads from object

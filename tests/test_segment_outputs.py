@@ -4,6 +4,7 @@
 import re
 import threading
 import time
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -88,6 +89,55 @@ def test_cog_is_a_cloud_optimized_geotiff_with_the_same_bands(tiny_ensemble, tmp
         overview = cog.read(1, out_shape=(300, 550))
     assert set(np.unique(overview)) <= set(np.unique(plain))  # nearest neighbour: no new values
     assert not list((tmp_path / "cog").glob(".*"))  # no file of strips left behind
+
+
+@pytest.fixture
+def file_size_limit():
+    """Sets this process's file-size limit (RLIMIT_FSIZE) until the test ends: a write past it fails
+    as on a full disk (EFBIG; Python ignores the SIGXFSZ that comes with it)."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    yield lambda size: resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@pytest.mark.parametrize("cog", [False, True], ids=["strips", "cog"])
+def test_a_geotiff_cut_short_is_refused_naming_its_map(tmp_path, cog):
+    """CPU. geo.check_whole against the file geo.geotiff_writer wrote, whole and cut short at
+    several places. Would catch: a check that only opens the file (a file cut after its header
+    opens: only its blocks' places tell), one of the first band or the last block alone, or an
+    error that names the temporary file, not the map."""
+    scene = geo.GeoTiffScene.__new__(geo.GeoTiffScene)  # the four fields geotiff_writer reads
+    scene.height, scene.width = 150, 230
+    scene.crs, scene.transform = "EPSG:4326", rasterio.Affine(0.1, 0, 0, 0, -0.1, 0)
+    written = tmp_path / "map.tif"
+    with geo.geotiff_writer(written, scene, cog=cog) as out:
+        out.write(np.concatenate([smooth_scene(150, 230, seed).transpose(2, 0, 1) for seed in range(3)])[:8])
+    geo.check_whole(written, written)  # whole
+    data = written.read_bytes()
+    for cut in (0.2, 0.5, 0.8, 0.99):
+        (tmp_path / ".map.tif.tmp").write_bytes(data[:int(len(data) * cut)])
+        with pytest.raises(OSError, match=r"^out/map\.tif: GDAL did not write the map whole \((band|it does not)"):
+            geo.check_whole(tmp_path / ".map.tif.tmp", Path("out/map.tif"))
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_map_that_gdal_could_not_write_whole_fails_its_scene_and_is_not_published(
+        tiny_ensemble, scene_dir, tmp_path, monkeypatch, capsys, file_size_limit, codec):
+    """CPU, a file-size limit as a full disk. GDAL writes a compressed map's blocks and header when
+    it closes it, and rasterio raises none of their errors there: the map was renamed into place
+    cut short, with its NAME.json, so a rerun skipped it. Uncompressed, rasterio raises while
+    writing. Would catch: a map published without geo.check_whole, or that check's error lost."""
+    checkpoint, _ = tiny_ensemble
+    mapped(monkeypatch, checkpoint, scene_dir, tmp_path / "whole", "--compress", codec)
+    file_size_limit((tmp_path / "whole" / "scene.tif").stat().st_size // 2)
+    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 64, 96, "--postprocess", "none", "--compress", codec) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("cloudseg")]
+    assert len(errors) == 1 and errors[0].startswith(f"cloudseg segment: {scene_dir / 'scene.tif'}: ")
+    if codec == "zstd":
+        assert f"{tmp_path / 'out' / 'scene.tif'}: GDAL did not write the map whole" in errors[0]
+    assert list((tmp_path / "out").iterdir()) == []  # no map, no NAME.json, no temporary file
 
 
 @pytest.mark.parametrize("seed", range(4))
