@@ -36,6 +36,20 @@ def atomic_path(path: str | Path):
     fsync_directory(path.parent)
 
 
+@contextlib.contextmanager
+def published_together():
+    """A list for the caller to add each file it publishes to (renamed into place) in the block;
+    on an error they are removed again: files that stand only together, such as a scene's maps
+    and the NAME.json that marks it done."""
+    published: list[Path] = []
+    try:
+        yield published
+    except BaseException:
+        for path in published:
+            Path(path).unlink(missing_ok=True)
+        raise
+
+
 def new_hidden_file(path: Path) -> Path:
     """An empty file `.NAME.RANDOM.tmp` beside `path`, created as open() creates files.
 

@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 from cloudseg import distributed, geo
-from cloudseg.files import atomic_path, new_hidden_file
+from cloudseg.files import atomic_path, new_hidden_file, published_together
 from cloudseg.hardware import resolve_device
 from cloudseg.predict import Ensemble, ensemble_native, load_ensemble, no_data
 from cloudseg.stages import StageClock
@@ -350,11 +350,12 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         raise
 
     def finish() -> dict:
-        with clock("write"):
-            close()
-        record = counts.record(path.name, when)
-        with atomic_path(done_file(out_dir, path)) as tmp:
-            tmp.write_text(json.dumps(record))
+        with published_together() as published:  # nothing of a failed scene left: its maps go with NAME.json
+            with clock("write"):
+                published += close()
+            record = counts.record(path.name, when)
+            with atomic_path(done_file(out_dir, path)) as tmp:
+                tmp.write_text(json.dumps(record))
         return record
 
     if lane is None:
@@ -463,8 +464,9 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
     here as each band comes) and write the outputs of `options` into the GeoTIFF `out` as they come,
     in `writer`'s thread (the writes in `lane`'s, if any) while the model works on the next ones.
     Returns what finishes the file there (the last blocks compressed, a COG copied, the temporary
-    file renamed) or, after a failed write, removes it and raises that write's error. A failed
-    write stops the mapping at the next rows; an error of the mapping removes the file here."""
+    file renamed: it returns [out]) or, after a failed write, removes it and raises that write's
+    error. A failed write stops the mapping at the next rows; an error of the mapping removes the
+    file here."""
     clock, failed = writer.clock, []  # failed: the first write's error, from the writer's or the lane's thread
 
     def encode(top, bands_soon):
@@ -502,6 +504,7 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
         if failed:
             removed(failed[0])
         output.close()
+        return [out]
 
     def removed(error: BaseException):
         output.__exit__(type(error), error, error.__traceback__)
@@ -528,7 +531,7 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
 
 def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock: StageClock):
     """Gather the masks of a JPEG or PNG scene (held whole anyway); returns what writes
-    STEM_masks.png and STEM_overlay.png (in the writer's thread)."""
+    STEM_masks.png and STEM_overlay.png (in the writer's thread), both or neither, and returns them."""
     masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
     for top, probs, valid in rows:
         with clock("encode"):
@@ -536,11 +539,13 @@ def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock
         masks[:, top:top + bands.shape[1]] = bands[len(LABELS):]
         counts.add(top, bands, pixel_counts)
 
-    def write_pngs():
+    def write_pngs() -> list[Path]:
         valid = masks[0] != geo.NODATA
         masks[:, ~valid] = 0
-        geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid))
-        geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks))
+        with published_together() as published:
+            published.append(geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid)))
+            published.append(geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks)))
+        return published
 
     return write_pngs
 

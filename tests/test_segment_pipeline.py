@@ -6,6 +6,7 @@ import threading
 import time
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 
@@ -219,7 +220,9 @@ def test_a_scene_stopped_by_a_failed_write_is_closed_only_after_its_reads_ahead(
 def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_path, monkeypatch, files_at_once,
                                                   capsys):
     """CPU. Would catch: the error of a's finish (here its NAME.json) raised while b is mapped and
-    reported as b's, or b then left unmapped; a keeps no NAME.json, so a rerun maps it again."""
+    reported as b's, or b then left unmapped; a keeps no NAME.json, so a rerun maps it again, and
+    its map, renamed into place before NAME.json failed, is removed again (nothing of a failed
+    scene left in --out)."""
     _, ensemble = tiny_ensemble
 
     def failing_for_a(path):
@@ -231,8 +234,35 @@ def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_pat
     assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith(f"cloudseg segment: {scenes[0]}")
-    assert (tmp_path / "out" / "b.json").is_file() and not (tmp_path / "out" / "a.json").exists()
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "fractions.csv"]
     assert not segment_module.is_done(tmp_path / "out", scenes[0], None)
+
+
+@pytest.mark.parametrize("failing", ["a_overlay.png", "a.json"])
+def test_a_jpeg_scene_s_outputs_are_published_all_or_none(tiny_ensemble, tmp_path, monkeypatch, capsys, failing):
+    """CPU, a JPEG scene then a PNG one. Would catch: a_masks.png left in --out when the overlay
+    after it, or the NAME.json after both, fails; or the error blamed on the next scene."""
+    _, ensemble = tiny_ensemble
+    (tmp_path / "in").mkdir()
+    scenes = [tmp_path / "in" / "a.jpg", tmp_path / "in" / "b.png"]
+    for seed, path in enumerate(scenes):
+        cv2.imwrite(str(path), smooth_scene(130, 170, seed))
+    real = {"atomic_path": segment_module.atomic_path, "write_png": geo.write_png}
+
+    def failing_for_a(function):
+        def maybe_failing(path, *args):
+            if path.name == failing:
+                raise OSError(28, "No space left on device")
+            return real[function](path, *args)
+        return maybe_failing
+
+    monkeypatch.setattr(segment_module, "atomic_path", failing_for_a("atomic_path"))
+    monkeypatch.setattr(geo, "write_png", failing_for_a("write_png"))
+    assert segment_module.segment_scenes(scenes, counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"cloudseg segment: {scenes[0]}") and "No space left" in error[0]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b_masks.png", "b_overlay.png",
+                                                                          "fractions.csv"]
 
 
 def test_an_error_while_mapping_removes_the_scene_s_file(tiny_ensemble, scenes, tmp_path, monkeypatch, files_at_once,
