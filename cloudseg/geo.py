@@ -270,7 +270,10 @@ def _output_bands_opencv(probs: np.ndarray, valid: np.ndarray, above: list[int])
 
 def _output_bands_torch(probs: torch.Tensor, valid: torch.Tensor,
                         above: list[int]) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
-    quantized = (probs * 255).round_().clamp_(max=255).to(torch.uint8)  # saturated, as quantize and OpenCV
+    # p x 255 rounded and saturated, as quantize and OpenCV, compared as floats: a level below 0 or
+    # above 254 (a threshold off [0, 1]) then means every pixel or none, as OpenCV's comparison with
+    # its saturated level; compared as uint8 it would wrap.
+    quantized = (probs * 255).round_().clamp_(max=255)
     masks = torch.stack([quantized[label] > level for label, level in enumerate(above)]) & valid
     bands = torch.cat([(probs * (NODATA - 1)).round_().to(torch.uint8), masks.to(torch.uint8)])
     counts = torch.cat([valid.sum().view(1), masks.sum((1, 2))])

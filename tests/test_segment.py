@@ -248,12 +248,15 @@ def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
         assert np.array_equal(images[index].permute(1, 2, 0).numpy(), image[top:top + height, left:left + width]), index
 
 
-def test_output_bands_are_the_same_on_every_device_and_as_the_rule_says():
+@pytest.mark.parametrize("thresholds", [[0.5, 0.35, 0.6, 0.65], [-0.1, 1.2, 0.0, 1.0]], ids=["within", "off 0-1"])
+def test_output_bands_are_the_same_on_every_device_and_as_the_rule_says(thresholds):
     """geo.output_bands from OpenCV (the CPU's) and from torch (a GPU's, run here on CPU tensors),
     against the rule written out here in NumPy: p x 254 rounded to nearest even, a mask where p x 255
     rounded is above threshold x 255, 255 off the data, and the counts. Probabilities at 0, 1 and
-    on the rounding ties included. Would catch: a rounding that differs on one device (half up
-    against half to even), a threshold compared before quantizing, no-data counted."""
+    on the rounding ties included; thresholds off [0, 1] too (predict.threshold takes any number:
+    below 0 every pixel, above 1 none). Would catch: a rounding that differs on one device (half up
+    against half to even), a threshold compared before quantizing, no-data counted, a level
+    compared as uint8 (-0.1 x 255 wraps to 230, 1.2 x 255 to 50)."""
     from cloudseg.geo import _output_bands_opencv, _output_bands_torch, output_bands
 
     rng = np.random.default_rng(0)
@@ -262,8 +265,7 @@ def test_output_bands_are_the_same_on_every_device_and_as_the_rule_says():
     probs.reshape(4, -1)[:, :256] = ties
     probs[:, 0, :3] = [0, 1, 0.5]
     valid = rng.random((37, 53)) > 0.2
-    thresholds = [0.5, 0.35, 0.6, 0.65]
-    quantized = np.rint(probs * 255)
+    quantized = np.minimum(np.rint(probs * 255), 255)  # saturated: the last tie is above 1
     masks = np.stack([quantized[c] > thresholds[c] * 255 for c in range(4)]) & valid
     expected = np.concatenate([np.rint(probs * 254), masks]).astype(np.uint8)
     expected[:, ~valid] = 255
