@@ -208,6 +208,23 @@ def scene_shape(path: Path) -> tuple[int, int]:
         return 0, 0
 
 
+TIME_GROUPS = ({"year", "month", "day"}, {"year", "doy"})  # the named groups of a --time-pattern: one of these
+TIME_GROUPS_OPTIONAL = {"hour", "minute"}  # and, if there, these
+
+
+def check_time_pattern(pattern: str) -> None:
+    """A one-line error naming --time-pattern unless it is a regular expression whose named groups
+    are those `scene_time` reads: year, month, day (hour, minute) or year, doy; checked before any
+    scene is mapped, not at the first scene's time."""
+    try:
+        groups = set(re.compile(pattern).groupindex)
+    except re.error as error:
+        raise ValueError(f"--time-pattern {pattern}: not a regular expression ({error})") from None
+    if not any(needed <= groups <= needed | TIME_GROUPS_OPTIONAL for needed in TIME_GROUPS):
+        raise ValueError(f"--time-pattern {pattern}: its named groups must be year, month, day (and hour, minute if "
+                         f"there) or year, doy, e.g. {TIME_PATTERN} or A(?P<year>\\d{{4}})(?P<doy>\\d{{3}})")
+
+
 def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.datetime64 | None:
     """The scene's time: the file's TIFFTAG_DATETIME (YYYY:MM:DD HH:MM:SS) when it has one, else
     the first match of `pattern` in the file name (named groups year, month, day and optionally
@@ -218,11 +235,17 @@ def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.dateti
     match = re.search(pattern, path.name)
     if not match:
         return None
-    parts = {key: int(value) for key, value in match.groupdict().items() if value}
-    if "doy" in parts:
-        day = datetime.datetime(parts["year"], 1, 1) + datetime.timedelta(days=parts["doy"] - 1)
-        parts.update(month=day.month, day=day.day)
-    when = datetime.datetime(parts["year"], parts["month"], parts["day"], parts.get("hour", 0), parts.get("minute", 0))
+    try:
+        parts = {key: int(value) for key, value in match.groupdict().items() if value}
+        if "doy" in parts:
+            day = datetime.datetime(parts["year"], 1, 1) + datetime.timedelta(days=parts["doy"] - 1)
+            if parts["doy"] < 1 or day.year != parts["year"]:  # not rolled into another year
+                raise ValueError(f"{parts['year']} has no day {parts['doy']}")
+            parts.update(month=day.month, day=day.day)
+        when = datetime.datetime(parts["year"], parts["month"], parts["day"], parts.get("hour", 0), parts.get("minute", 0))
+    except ValueError as error:
+        raise ValueError(f"{match.group(0)!r} in its name is not a time ({error}): say where its name has its time "
+                         "with --time-pattern") from None
     return np.datetime64(when, "s")
 
 

@@ -275,12 +275,14 @@ class SegmentOptions:
     def check(self, geotiffs: bool = True) -> None:
         """A one-line error naming the option when an output or the codec is not one of segment's
         (or, where `geotiffs` are to be written, this GDAL cannot write the codec: a JPEG or PNG
-        scene's outputs are PNGs, and GDAL is not even imported for them)."""
+        scene's outputs are PNGs, and GDAL is not even imported for them), or the time pattern
+        not one `geo.scene_time` can read."""
         unknown = [output for output in self.outputs if output not in geo.OUTPUTS]
         if unknown or not self.outputs or len(set(self.outputs)) < len(self.outputs):
             raise ValueError(f"--outputs {','.join(self.outputs)}: give one or more of {', '.join(geo.OUTPUTS)}, "
                              "each once, comma-separated")
         geo.check_codec(self.compress, writable=geotiffs)
+        geo.check_time_pattern(self.time_pattern)
 
 
 class SceneCounts:

@@ -221,6 +221,42 @@ def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene
     geo.check_codec.cache_clear()
 
 
+@pytest.mark.parametrize("pattern", ["(", r"(?P<y>\d{8})", r"(?P<year>\d{4})(?P<month>\d{2})",
+                                     r"(?P<year>\d{4})(?P<doy>\d{3})(?P<band>\w)"])
+def test_a_time_pattern_scene_time_cannot_read_is_refused_before_any_work(tiny_ensemble, scene_dir, tmp_path,
+                                                                          monkeypatch, capsys, pattern):
+    """CPU. Would catch: a pattern checked only at the first scene's time (the model loaded and a
+    scene failed first: a KeyError's bare `year`, or re.error's traceback), a group missing or one
+    scene_time cannot read (int() of a band letter) let through."""
+    checkpoint, _ = tiny_ensemble
+    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--time-pattern", pattern) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"cloudseg: error: --time-pattern {pattern}: ") and "\n" not in error
+    assert not (tmp_path / "out").exists()
+    for readable in (geo.TIME_PATTERN, r"A(?P<year>\d{4})(?P<doy>\d{3})",
+                     r"(?P<year>\d{4})(?P<month>\d{2})(?P<day>\d{2})T(?P<hour>\d{2})(?P<minute>\d{2})"):
+        geo.check_time_pattern(readable)
+
+
+@pytest.mark.parametrize(("name", "pattern", "time"), [
+    ("MOD_A2020366.tif", r"A(?P<year>\d{4})(?P<doy>\d{3})", "2020-12-31T00:00:00"),  # a leap year's last day
+    ("MOD_A2021366.tif", r"A(?P<year>\d{4})(?P<doy>\d{3})", None),  # 2021 has 365
+    ("MOD_A2021000.tif", r"A(?P<year>\d{4})(?P<doy>\d{3})", None),
+    ("b_12345678.tif", geo.TIME_PATTERN, None),  # the default pattern finds a number that is no date
+    ("c_2019-05-01.png", geo.TIME_PATTERN, "2019-05-01T00:00:00")])
+def test_a_match_that_is_no_time_fails_its_scene_naming_the_match(name, pattern, time):
+    """Would catch: a day of the year rolled into the next year (2021's day 366 as 2022-01-01) or
+    the one before (day 0), and a bare datetime error that does not say which part of the name was
+    read as a time, nor that --time-pattern says where it is."""
+    if time:
+        assert str(geo.scene_time(Path(name), {}, pattern)) == time
+    else:
+        match = re.search(pattern, name).group(0)
+        with pytest.raises(ValueError, match=rf"^'{match}' in its name is not a time \(.*\): .*--time-pattern$"):
+            geo.scene_time(Path(name), {}, pattern)
+
+
 def test_the_stage_line_adds_up_and_names_the_planted_slow_stage(tiny_ensemble, scene_dir, tmp_path, monkeypatch):
     """CPU. Would catch: a stage never timed (0 s), time counted twice or under another stage (the
     planted sleeps must land in their own stage, not beyond the wall time), or "bound by" naming
