@@ -551,26 +551,49 @@ def class_bits(masks: np.ndarray, valid: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------- lat/lon grid
 
 
-def lat_lon(transform, crs, top: int, rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Latitude and longitude (degrees, rows×width) of the centres of those rows' pixels."""
-    lines, columns = np.meshgrid(np.arange(top, top + rows), np.arange(width), indexing="ij")
-    xs, ys = geo_module("rasterio.transform").xy(transform, lines.ravel(), columns.ravel(), offset="center")
+def lat_lon(transform, crs, top: int, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Latitudes and longitudes (degrees, in np.nonzero's order) of the centres of the `valid`
+    pixels (rows×width bool) of the rows from `top`; NaN where PROJ has none (off a geostationary
+    disk)."""
+    lines, columns = np.nonzero(valid)
+    xs, ys = geo_module("rasterio.transform").xy(transform, lines + top, columns, offset="center")
+    xs, ys = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
     if not crs.is_geographic:
-        xs, ys = geo_module("rasterio.warp").transform(crs, "EPSG:4326", xs, ys)
-    return np.reshape(ys, lines.shape), (np.reshape(xs, lines.shape) + 180) % 360 - 180
+        xs, ys = to_lon_lat(crs, xs, ys)
+    placed = np.isfinite(xs) & np.isfinite(ys)
+    return np.where(placed, ys, np.nan), np.where(placed, (xs + 180) % 360 - 180, np.nan)
 
 
-def grid_counts(lats: np.ndarray, lons: np.ndarray, masks: np.ndarray, valid: np.ndarray,
-                step: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per lat/lon cell of `step` degrees touched by valid pixels: (cells K×2 [lat index, lon
-    index], counts K×5 [valid pixels, then each class's mask pixels]). Cell (i, j) spans latitudes
-    -90 + i·step to -90 + (i+1)·step and longitudes -180 + j·step to -180 + (j+1)·step."""
-    lat_index = np.floor((lats[valid] + 90) / step).astype(np.int64)
-    lon_index = np.floor((lons[valid] + 180) / step).astype(np.int64)
-    keys, inverse = np.unique(lat_index * 1_000_000 + lon_index, return_inverse=True)
+def to_lon_lat(crs, xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Longitudes and latitudes of points in `crs`, inf or NaN where PROJ has none. rasterio raises
+    for a call with such a point, the first time (GDAL then gives its transformation inf for them):
+    a call that raises is split in halves until each point that fails is alone."""
+    try:
+        lons, lats = geo_module("rasterio.warp").transform(crs, "EPSG:4326", xs, ys)
+        return np.asarray(lons, np.float64), np.asarray(lats, np.float64)
+    except Exception:  # noqa: BLE001 -- GDAL's error, of a class rasterio keeps private
+        if len(xs) == 1:
+            return np.full(1, np.nan), np.full(1, np.nan)
+        half = len(xs) // 2
+        (lons, lats), (lons2, lats2) = to_lon_lat(crs, xs[:half], ys[:half]), to_lon_lat(crs, xs[half:], ys[half:])
+        return np.concatenate([lons, lons2]), np.concatenate([lats, lats2])
+
+
+def grid_counts(lats: np.ndarray, lons: np.ndarray, masks: np.ndarray, step: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per lat/lon cell of `step` degrees touched by the pixels at `lats`, `lons` (N): (cells K×2
+    [lat index, lon index], counts K×5 [pixels, then each class's mask pixels: `masks` K'×N of 0/1]).
+    Cell (i, j) spans latitudes -90 + i·step to -90 + (i+1)·step and longitudes -180 + j·step to
+    -180 + (j+1)·step; a pole, longitude 180 and rounding past either edge count in the edge's cells.
+    Pixels without a latitude or longitude (NaN) are left out."""
+    placed = np.isfinite(lats) & np.isfinite(lons)
+    lats, lons, masks = lats[placed], lons[placed], masks[:, placed]
+    rows, columns = math.ceil(180 / step), math.ceil(360 / step)
+    lat_index = np.clip(np.floor((lats + 90) / step), 0, rows - 1).astype(np.int64)
+    lon_index = np.clip(np.floor((lons + 180) / step), 0, columns - 1).astype(np.int64)
+    keys, inverse = np.unique(lat_index * columns + lon_index, return_inverse=True)
     counts = [np.bincount(inverse, minlength=len(keys))]
-    counts += [np.bincount(inverse, weights=mask[valid], minlength=len(keys)) for mask in masks]
-    return np.stack([keys // 1_000_000, keys % 1_000_000], 1), np.stack(counts, 1).astype(np.int64)
+    counts += [np.bincount(inverse, weights=mask, minlength=len(keys)) for mask in masks]
+    return np.stack([keys // columns, keys % columns], 1), np.stack(counts, 1).astype(np.int64)
 
 
 def summed_cells(cells: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

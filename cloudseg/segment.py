@@ -276,13 +276,17 @@ class SegmentOptions:
         """A one-line error naming the option when an output or the codec is not one of segment's
         (or, where `geotiffs` are to be written, this GDAL cannot write the codec: a JPEG or PNG
         scene's outputs are PNGs, and GDAL is not even imported for them), or the time pattern
-        not one `geo.scene_time` can read."""
+        not one `geo.scene_time` can read, or --tile or --grid not a size."""
         unknown = [output for output in self.outputs if output not in geo.OUTPUTS]
         if unknown or not self.outputs or len(set(self.outputs)) < len(self.outputs):
             raise ValueError(f"--outputs {','.join(self.outputs)}: give one or more of {', '.join(geo.OUTPUTS)}, "
                              "each once, comma-separated")
         geo.check_codec(self.compress, writable=geotiffs)
         geo.check_time_pattern(self.time_pattern)
+        if self.tile is not None and min(self.tile) < 1:
+            raise ValueError(f"--tile {' '.join(map(str, self.tile))}: a window's height and width are at least 1")
+        if self.grid is not None and not 0 < self.grid <= 180:  # NaN too
+            raise ValueError(f"--grid {self.grid}: a cell's size in degrees, above 0 and at most 180")
 
 
 class SceneCounts:
@@ -291,7 +295,7 @@ class SceneCounts:
     def __init__(self, scene, grid: float | None):
         self.scene, self.grid = scene, grid  # the grid asked for; only a scene with a CRS has cells
         self.gridded = bool(grid) and scene.crs is not None
-        self.valid, self.classes = 0, np.zeros(len(LABELS), np.int64)
+        self.valid, self.classes, self.unplaced = 0, np.zeros(len(LABELS), np.int64), 0  # unplaced: in no cell
         self.cells, self.cell_counts = [np.zeros((0, 2), np.int64)], [np.zeros((0, 1 + len(LABELS)), np.int64)]
 
     def add(self, top: int, bands: np.ndarray, counts: np.ndarray) -> None:
@@ -301,8 +305,10 @@ class SceneCounts:
         self.classes += counts[1:]
         if self.gridded:
             masks = bands[len(LABELS):]
-            lats, lons = geo.lat_lon(self.scene.transform, self.scene.crs, top, masks.shape[1], self.scene.width)
-            cells, cell_counts = geo.grid_counts(lats, lons, masks, masks[0] != geo.NODATA, self.grid)
+            valid = masks[0] != geo.NODATA
+            lats, lons = geo.lat_lon(self.scene.transform, self.scene.crs, top, valid)
+            cells, cell_counts = geo.grid_counts(lats, lons, masks[:, valid], self.grid)
+            self.unplaced += int(np.isnan(lats).sum())
             self.cells.append(cells)
             self.cell_counts.append(cell_counts)
 
@@ -315,6 +321,10 @@ class SceneCounts:
         if self.gridded:
             cells, counts = geo.summed_cells(np.concatenate(self.cells), np.concatenate(self.cell_counts))
             record.update(cells=cells.tolist(), counts=counts.tolist())
+        if self.unplaced:
+            log.warning("segment: %s: %d of its %d valid pixels have no latitude and longitude in its CRS (off a "
+                        "geostationary disk?): left out of grid.nc, counted in its fractions", name, self.unplaced,
+                        self.valid)
         return record
 
 
@@ -741,10 +751,11 @@ def write_summaries(scenes: list[Path], out_dir: Path, grid: float | None) -> No
     if not records:
         return
     write_fractions(records, out_dir / FRACTIONS_CSV)
-    gridded = [record for record in records if "cells" in record]
+    gridded = [record for record in records if record.get("cells")]  # none where PROJ placed no pixel of it
     if grid and gridded:
         for record in gridded:
             record["time"] = None if record["time"] is None else np.datetime64(record["time"])
         geo.write_netcdf(geo.grid_dataset(gridded, grid), out_dir / GRID_NC)
     elif grid:
-        log.warning("segment: --grid but no scene is georeferenced (GeoTIFF with a CRS): no %s", GRID_NC)
+        log.warning("segment: --grid but no scene is georeferenced (GeoTIFF with a CRS, pixels PROJ places): "
+                    "no %s", GRID_NC)

@@ -440,6 +440,100 @@ def test_gridded_fractions_match_hand_counts(tiny_ensemble, tmp_path, monkeypatc
         assert np.allclose(grid.fraction.sel({"class": "Sugar"}).values[day], 1.0)
 
 
+GEOSTATIONARY = "+proj=geos +h=35786023 +lon_0=-75 +sweep=x +datum=WGS84"  # GOES-East's full disk
+
+
+def test_a_full_disk_is_gridded_from_the_pixels_proj_can_place(tiny_ensemble, tmp_path, monkeypatch, caplog):
+    """CPU. A geostationary full disk (344 km pixels, red: Fish), its space grey, not black: valid
+    pixels that PROJ cannot place (it gives them inf, and raises for a band of rows where it can
+    place none, as in a scene wholly off the disk), on a 10° grid beside an ordinary scene. Would catch: PROJ's error escaping the
+    scene (a GDAL error class, not a user error: the run stopped, no fractions.csv nor grid.nc), or
+    inf latitudes reaching the grid (a cell index of inf: grid.nc as large as the machine). The
+    disk's cells count exactly the pixels PROJ places one at a time, counted here."""
+    from rasterio.transform import from_origin as origin
+    from rasterio.warp import transform
+
+    checkpoint, _ = tiny_ensemble
+    size, pixel = 32, 11e6 / 32
+    placed = 0
+    for line in range(size):
+        for column in range(size):
+            try:
+                lon, lat = transform(GEOSTATIONARY, "EPSG:4326", [-5.5e6 + (column + 0.5) * pixel],
+                                     [5.5e6 - (line + 0.5) * pixel])
+                placed += bool(np.isfinite(lon + lat).all())
+            except Exception:  # noqa: BLE001 -- off the disk: GDAL's error, a class rasterio keeps private
+                pass
+    assert 0 < placed < size * size
+    (tmp_path / "in").mkdir()
+    disk = np.full((size, size, 3), 100, np.uint8)
+    disk[..., 0] = 200
+    write_geotiff(tmp_path / "in" / "disk_20200101.tif", disk, crs=GEOSTATIONARY, transform=origin(-5.5e6, 5.5e6, pixel, pixel))
+    write_geotiff(tmp_path / "in" / "plain_20200102.tif", disk[:20, :30])
+    write_geotiff(tmp_path / "in" / "space_20200103.tif", disk[:8, :8], crs=GEOSTATIONARY,  # wholly off the disk
+                  transform=origin(6e6, 6e6, pixel, pixel))
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 16, 24, "--grid", 10) == 0
+    grid = xarray.open_dataset(tmp_path / "out" / "grid.nc", engine="scipy").load()
+    assert grid.valid_pixels.values.sum((1, 2)).tolist() == [placed, 20 * 30]  # no cell of space's
+    assert "space_20200103.tif: 64 of its 64 valid pixels have no latitude" in caplog.text
+    assert np.nanmin(grid.fraction.sel({"class": "Fish"}).values) == 1.0
+    assert f"disk_20200101.tif: {size * size - placed} of its {size * size} valid pixels have no latitude" in caplog.text
+    assert json.loads((tmp_path / "out" / "disk_20200101.json").read_text())["valid_pixels"] == size * size
+
+
+def test_latitudes_of_a_full_disk_are_nan_exactly_where_proj_has_none(monkeypatch):
+    """geo.lat_lon against PROJ point by point, through a transform as strict as rasterio's in a
+    new process (it raises for any call holding a point off the disk; once it has, GDAL gives such
+    points inf). Would catch: a band of rows dropped whole for one point off the disk, or a failed
+    point given another point's latitude (halves joined out of order)."""
+    import rasterio.warp
+    from rasterio.crs import CRS
+    from rasterio.transform import from_origin as origin
+
+    from cloudseg.geo import lat_lon
+
+    real, calls = rasterio.warp.transform, []
+
+    def strict(source, target, xs, ys):
+        calls.append(len(xs))
+        lons, lats = real(source, target, xs, ys)
+        if not np.isfinite(np.concatenate([lons, lats])).all():
+            raise RuntimeError("Point outside of projection domain")
+        return lons, lats
+
+    crs, pixel = CRS.from_proj4(GEOSTATIONARY), 11e6 / 16
+    transform = origin(-5.5e6, 5.5e6, pixel, pixel)
+    valid = np.ones((16, 16), bool)
+    valid[0, 0] = False
+    expected = []
+    for line, column in zip(*np.nonzero(valid)):
+        try:
+            lon, lat = real(crs, "EPSG:4326", [-5.5e6 + (column + 0.5) * pixel], [5.5e6 - (line + 4.5) * pixel])
+        except Exception:  # noqa: BLE001 -- off the disk, the transformation's first error
+            lon = lat = [np.nan]
+        expected.append((lat[0], lon[0]) if np.isfinite(lat[0]) and np.isfinite(lon[0]) else (np.nan, np.nan))
+    monkeypatch.setattr(rasterio.warp, "transform", strict)
+    lats, lons = lat_lon(transform, crs, 4, valid)
+    np.testing.assert_allclose(np.stack([lats, lons], 1), np.array(expected), rtol=0, atol=1e-9)
+    assert 0 < np.isnan(lats).sum() < len(lats) and calls[0] == valid.sum() and len(calls) > 1
+
+
+def test_the_poles_the_antimeridian_and_rounding_past_them_count_in_the_grid_s_edge_cells():
+    """Would catch: a cell index one past the grid's edge for latitude 90, longitude 180 or a
+    value rounded past either (a row of cells at 90.5°N in grid.nc; with negative indices, keys
+    packed into one integer crossing into the next row)."""
+    from cloudseg.geo import grid_counts
+    lats = np.array([90.0, -90.0, 89.99999999999999, 0.05, -90.00000000000001, 12.3])
+    lons = np.array([180.0, -180.0, 179.99999999999997, 0.05, -180.00000000000003, -45.6])
+    masks = np.array([[1, 0, 1, 1, 0, 1]])
+    cells, counts = grid_counts(lats, lons, masks, 1.0)
+    assert cells.tolist() == [[0, 0], [90, 180], [102, 134], [179, 359]]  # by hand: floor(lat + 90), floor(lon + 180)
+    assert counts.tolist() == [[2, 0], [1, 1], [1, 1], [2, 2]]
+    cells, _ = grid_counts(lats, lons, masks, 0.7)  # a step that divides neither 180 nor 360: ceil(180/0.7) = 258 rows
+    assert cells[:, 0].max() == 257 and cells[:, 1].max() == 514 and cells.min() == 0
+
+
 # ---------------------------------------------------------------------------------- many scenes, several processes
 
 

@@ -221,6 +221,21 @@ def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene
     geo.check_codec.cache_clear()
 
 
+@pytest.mark.parametrize("option", [["--grid", "0"], ["--grid", "-1"], ["--grid", "nan"], ["--grid", "181"],
+                                    ["--tile", "0", "0"], ["--tile", "-5", "96"]])
+def test_a_grid_or_tile_that_is_no_size_is_refused_before_any_work(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
+                                                                   capsys, option):
+    """CPU. Would catch: --grid 0 taken as no grid (no grid.nc, no word), a negative or NaN cell
+    (cells of garbage, or NaN != NaN making no scene ever done), a window of no pixels (OpenCV's
+    assertion stopping the run) or of negative ones (every scene failing) accepted."""
+    checkpoint, _ = tiny_ensemble
+    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       *option) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"cloudseg: error: {option[0]} ") and "\n" not in error
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("pattern", ["(", r"(?P<y>\d{8})", r"(?P<year>\d{4})(?P<month>\d{2})",
                                      r"(?P<year>\d{4})(?P<doy>\d{3})(?P<band>\w)"])
 def test_a_time_pattern_scene_time_cannot_read_is_refused_before_any_work(tiny_ensemble, scene_dir, tmp_path,
