@@ -570,21 +570,26 @@ def done_file(out_dir: Path, path: Path) -> Path:
 
 
 def find_scenes(sources: list[str]) -> list[Path]:
-    """Scene files from files, folders (their JPEG, PNG and GeoTIFF files) and glob patterns,
-    sorted; an error when none, or when two would write outputs of the same name."""
-    found = set()
+    """Scene files from files, folders (their JPEG, PNG and GeoTIFF files) and glob patterns (the
+    files among their matches), sorted, each file once however it is spelt; hidden files (a
+    killed run's temporaries, macOS's ._NAME) only where named. An error when none, or when two
+    files would write outputs of the same name."""
+    found = {}
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            found.update(p for p in path.iterdir() if p.suffix.lower() in geo.SCENE_SUFFIXES and p.is_file())
+            candidates = [p for p in path.iterdir() if not p.name.startswith(".")]
         elif path.exists():
-            found.add(path)
+            candidates = [path]
         else:
-            matches = [Path(p) for p in glob.glob(source)]
-            if not matches:
+            candidates = [Path(p) for p in glob.glob(source)]  # `*` matches no hidden name
+            if not candidates:
                 raise FileNotFoundError(f"{source}: no such scene, folder or matching file")
-            found.update(matches)
-    scenes = sorted(found)
+        if candidates != [path]:  # from a folder or a pattern: scene files only (not GDAL's .aux.xml, folders)
+            candidates = [p for p in candidates if p.suffix.lower() in geo.SCENE_SUFFIXES and p.is_file()]
+        for scene in candidates:
+            found.setdefault(scene.resolve(), scene)  # as first given
+    scenes = sorted(found.values())
     if not scenes:
         raise FileNotFoundError(f"no JPEG, PNG or GeoTIFF scenes in {', '.join(sources)}")
     twice = [stem for stem, count in collections.Counter(p.stem for p in scenes).items() if count > 1]
@@ -595,11 +600,12 @@ def find_scenes(sources: list[str]) -> list[Path]:
 
 
 def check_writable(out_dir: Path, scenes: list[Path]) -> None:
-    """A one-line error before any work when the output folder cannot take files, or when a
-    GeoTIFF scene's map would replace the scene itself."""
+    """A one-line error before any work when the output folder cannot take files, or when it holds
+    scenes: a GeoTIFF's map would replace its scene, and a rerun would take the maps for scenes."""
     for path in scenes:
-        if (out_dir / f"{path.stem}.tif").resolve() == path.resolve():
-            raise ValueError(f"{path}: its map NAME.tif would replace it: choose another --out than its folder")
+        if path.parent.resolve() == out_dir.resolve():
+            raise ValueError(f"{path}: --out is its folder, where its maps would replace it or be taken for scenes "
+                             "by a rerun: choose another --out")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         new_hidden_file(out_dir / "write-check").unlink()

@@ -706,7 +706,7 @@ def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny
     assert error.startswith(f"cloudseg: error: {other}: trained on images of (128, 192)") and "\n" not in error
     write_geotiff(scenes / "geo.tif", smooth_scene(64, 96))
     assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(scenes)]) == 2
-    assert "its map NAME.tif would replace it" in capsys.readouterr().err  # --out is the scenes' folder
+    assert f"{scenes / 'geo.tif'}: --out is its folder" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["segment", str(tmp_path / "empty"), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o")]) == 2
     assert "no JPEG, PNG or GeoTIFF scenes in" in capsys.readouterr().err
@@ -714,6 +714,41 @@ def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny
     assert main(["segment", str(scenes), "--checkpoint", str(untold), "--out", str(tmp_path / "out"),
                  "--device", "cpu"]) == 2
     assert "trained without data.image_size" in capsys.readouterr().err
+
+
+def test_scenes_are_the_scene_files_of_folders_and_patterns_each_once(tmp_path, monkeypatch):
+    """Would catch: hidden files of a folder taken for scenes (macOS's ._a.tif, a killed run's
+    .a.tif.RANDOM.tmp: each a failed scene), a pattern's GDAL sidecar (a.tif.aux.xml) or folder
+    taken for one, or one file given twice (relative and absolute, or through a link) refused as
+    two scenes of one name."""
+    from cloudseg.segment import find_scenes
+
+    folder = tmp_path / "in"
+    (folder / "sub.tif").mkdir(parents=True)  # a folder named like a scene
+    for name in ("a.tif", "b.jpg", "._a.tif", ".hidden.png", "a.tif.aux.xml", "notes.txt"):
+        (folder / name).write_bytes(b"")
+    (tmp_path / "link.jpg").symlink_to(folder / "b.jpg")
+    assert find_scenes([str(folder)]) == [folder / "a.tif", folder / "b.jpg"]
+    assert find_scenes([str(folder / "*")]) == [folder / "a.tif", folder / "b.jpg"]
+    assert find_scenes([str(folder / ".hidden.png")]) == [folder / ".hidden.png"]  # named: taken
+    monkeypatch.chdir(tmp_path)
+    assert find_scenes(["in/b.jpg", str(folder / "b.jpg"), str(tmp_path / "link.jpg"), "in/../in/b.jpg"]) == [
+        Path("in/b.jpg")]
+    (tmp_path / "a.png").write_bytes(b"")  # another file, of a's name
+    with pytest.raises(ValueError, match="two scenes named a would write the same outputs"):
+        find_scenes([str(folder), str(tmp_path / "a.png")])
+
+
+def test_an_out_folder_that_holds_scenes_is_refused(tiny_ensemble, tmp_path, capsys):
+    """CPU. Would catch: JPEG scenes mapped into their own folder, where a rerun takes a_masks.png
+    and a_overlay.png for scenes (a failed scene, a scene mapped from a map)."""
+    checkpoint, _ = tiny_ensemble
+    scenes = write_pngs(tmp_path / "in", 1)
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(scenes)]) == 2
+    assert capsys.readouterr().err.strip() == (f"cloudseg: error: {scenes / 'scene00.png'}: --out is its folder, "
+                                               "where its maps would replace it or be taken for scenes by a rerun: "
+                                               "choose another --out")
+    assert sorted(path.name for path in scenes.iterdir()) == ["scene00.png"]
 
 
 def test_without_the_geo_extra_the_message_names_it(monkeypatch):
