@@ -668,13 +668,15 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
                 pixels += finished(*finishing.pop(0), fail)
     for path, finish in finishing:  # done: the writer was closed
         pixels += finished(path, finish, fail)
-    failed = distributed.gathered(failed)  # every process waits here for all the others' scenes
+    # every process waits here for all the others' scenes; the counts are all of them, not process 0's
+    failed = distributed.gathered(failed)
+    done_before, mapped, pixels = np.sum(distributed.gathered([(len(mine) - len(todo), len(todo), pixels)]), 0)
     if distributed.is_main():
         write_summaries(scenes, out_dir, options.grid)
         seconds = time.perf_counter() - start
         log.info("segment: %d scenes, %d done before, %d failed, %d processes; %.2f scenes/s, %.1f megapixels/s "
-                 "(process 0) -> %s", len(scenes), len(mine) - len(todo), len(failed), distributed.world_size(),
-                 (len(todo) - len(failed)) / seconds, pixels / 1e6 / seconds, out_dir)
+                 "-> %s", len(scenes), done_before, len(failed), distributed.world_size(),
+                 (mapped - len(failed)) / seconds, pixels / 1e6 / seconds, out_dir)
         log.info("segment: %s (process 0, %.1f s)", clock.line(gpu=ensemble.device.type == "cuda"), seconds)
     distributed.stop()
     return len(failed)

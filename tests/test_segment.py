@@ -548,7 +548,7 @@ def test_two_processes_map_every_scene_once_and_skip_the_done_ones(tiny_ensemble
     """CPU, two gloo processes under torchrun over 9 scenes, 2 of them done by an earlier run.
     Would catch: both processes taking the same scenes (a scene mapped twice) or a shard lost
     (one never mapped), done scenes mapped again, a summary written before every process is
-    through (fractions.csv short of scenes)."""
+    through (fractions.csv short of scenes), a summary line counting process 0's scenes alone."""
     import os
     import subprocess
     import sys
@@ -570,6 +570,7 @@ def test_two_processes_map_every_scene_once_and_skip_the_done_ones(tiny_ensemble
     assert {rank for rank, _ in done} == {"0", "1"}
     table = (out / "fractions.csv").read_text().splitlines()
     assert len(table) == 1 + 9 and all((out / f"scene{i:02d}_masks.png").is_file() for i in range(9))
+    assert "segment: 9 scenes, 2 done before, 0 failed, 2 processes;" in result.stderr  # both done by process 1
 
 
 def test_fractions_csv_is_written_as_pandas_writes_the_table(tmp_path):
