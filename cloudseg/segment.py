@@ -741,7 +741,7 @@ def scene_error(path: Path, error: BaseException) -> str:
 FRACTION_COLUMNS = ("name", "time", "height", "width", "valid_pixels", *LABELS)
 
 
-def write_fractions(records: list[dict], path: Path) -> None:
+def write_fractions(records: list[dict], path: Path) -> Path:
     """The scenes' records as a CSV of FRACTION_COLUMNS, a row each, written as pandas writes a
     table (empty where there is no value: no time, no valid pixel's fractions), without importing
     it: 0.3 s of a one-scene call."""
@@ -750,20 +750,26 @@ def write_fractions(records: list[dict], path: Path) -> None:
         table.writerow(FRACTION_COLUMNS)
         table.writerows([None if isinstance(value, float) and math.isnan(value) else value
                          for value in map(record.get, FRACTION_COLUMNS)] for record in records)
+    return path
 
 
 def write_summaries(scenes: list[Path], out_dir: Path, grid: float | None) -> None:
-    """fractions.csv (one row per scene done: time, size, valid pixels, each class's area
-    fraction of the valid pixels) and, with `grid`, grid.nc over the georeferenced scenes."""
+    """fractions.csv (one row per scene of `scenes` done: time, size, valid pixels, each class's
+    area fraction of the valid pixels) and, with `grid`, grid.nc over the georeferenced ones. A
+    summary this call does not write that an earlier call left in `out_dir` is named in a warning:
+    it is not of these scenes."""
     records = [json.loads(done_file(out_dir, path).read_text()) for path in scenes if is_done(out_dir, path, grid)]
-    if not records:
-        return
-    write_fractions(records, out_dir / FRACTIONS_CSV)
+    written = set()
+    if records:
+        written.add(write_fractions(records, out_dir / FRACTIONS_CSV))
     gridded = [record for record in records if record.get("cells")]  # none where PROJ placed no pixel of it
     if grid and gridded:
         for record in gridded:
             record["time"] = None if record["time"] is None else np.datetime64(record["time"])
-        geo.write_netcdf(geo.grid_dataset(gridded, grid), out_dir / GRID_NC)
+        written.add(geo.write_netcdf(geo.grid_dataset(gridded, grid), out_dir / GRID_NC))
     elif grid:
         log.warning("segment: --grid but no scene is georeferenced (GeoTIFF with a CRS, pixels PROJ places): "
                     "no %s", GRID_NC)
+    for stale in {out_dir / FRACTIONS_CSV, out_dir / GRID_NC} - written:
+        if stale.exists():
+            log.warning("segment: %s is an earlier call's, not of these scenes: this call wrote none", stale)

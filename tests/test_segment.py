@@ -519,6 +519,26 @@ def test_latitudes_of_a_full_disk_are_nan_exactly_where_proj_has_none(monkeypatc
     assert 0 < np.isnan(lats).sum() < len(lats) and calls[0] == valid.sum() and len(calls) > 1
 
 
+def test_a_summary_an_earlier_call_left_is_named_where_this_call_writes_none(tiny_ensemble, tmp_path, monkeypatch,
+                                                                           caplog):
+    """CPU. A call with --grid, then one without (its grid.nc is the first call's), then one whose
+    only scene fails (its fractions.csv too). Would catch: an earlier call's summary left beside
+    this call's outputs without a word, or a warning where this call wrote the summary."""
+    checkpoint, _ = tiny_ensemble
+    (tmp_path / "in").mkdir()
+    scene = write_geotiff(tmp_path / "in" / "a_20200101.tif", smooth_scene(20, 30))
+    args = ["--checkpoint", checkpoint, "--out", tmp_path / "out", "--tile", 16, 24]
+    assert run_segment(monkeypatch, red_is_fish, scene, *args, "--grid", 10) == 0
+    assert "earlier call" not in caplog.text
+    assert run_segment(monkeypatch, red_is_fish, scene, *args) == 0
+    assert f"{tmp_path / 'out' / 'grid.nc'} is an earlier call's" in caplog.text and "fractions.csv is an" not in caplog.text
+    caplog.clear()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "b.jpg").write_bytes(b"not a JPEG")
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "bad" / "b.jpg", *args) == 1
+    assert f"{tmp_path / 'out' / 'fractions.csv'} is an earlier call's" in caplog.text
+
+
 def test_the_poles_the_antimeridian_and_rounding_past_them_count_in_the_grid_s_edge_cells():
     """Would catch: a cell index one past the grid's edge for latitude 90, longitude 180 or a
     value rounded past either (a row of cells at 90.5°N in grid.nc; with negative indices, keys
