@@ -30,6 +30,7 @@ from cloudseg.task import (
     TEST_IMAGES,
     TRAIN_CSV,
     TRAIN_IMAGES,
+    image_label,
     split_image_label,
 )
 
@@ -111,6 +112,17 @@ def read_train_csv(data_dir: str | Path, problems: list[Problem] | None = None) 
 def test_image_ids(data_dir: str | Path, problems: list[Problem] | None = None) -> list[str]:
     """Test image ids in the order of `sample_submission.csv`."""
     return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV, problems=problems).index.tolist()
+
+
+def sample_rows(data_dir: str | Path) -> list[str]:
+    """The Image_Label of every row of `sample_submission.csv`, in its order (checked as
+    `test_image_ids` checks it): a submission's rows, whatever order its labels come in."""
+    import pandas as pd  # here, as in read_label_csv
+
+    path = Path(data_dir) / SAMPLE_SUBMISSION_CSV
+    test_image_ids(data_dir)
+    keys = pd.read_csv(path, usecols=[ID_COLUMN], dtype=str, keep_default_na=False, encoding="utf-8-sig")[ID_COLUMN]
+    return [image_label(*split_image_label(key)) for key in keys]
 
 
 def decode_masks(table: pd.DataFrame, image_id: str, shape, source) -> list[np.ndarray]:

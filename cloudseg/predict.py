@@ -19,7 +19,7 @@ from cloudseg import rle
 from cloudseg.checkpoint import load_checkpoint
 from cloudseg.compiled import compile_logged, compiled, resolve_compile
 from cloudseg.config import Config, PredictConfig, apply_overrides, from_dict
-from cloudseg.data import CloudDataset, make_loader, test_image_ids
+from cloudseg.data import CloudDataset, make_loader, sample_rows, test_image_ids
 from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
@@ -240,13 +240,17 @@ def tuned_rule(checkpoints: list[str], postprocess_file: str | None) -> Path | N
 
 
 def write_submission(rows: list[tuple[str, str]], sample_path: Path, out: str | Path) -> Path:
-    """Write rows in the order of sample_submission.csv after checking they form a valid submission."""
+    """Write rows in the order of sample_submission.csv's rows after checking they form a valid
+    submission: each of its Image_Labels once, each decoding at 350x525."""
     import pandas as pd  # here: pandas takes 0.3 s to import, and segment, which imports this module, makes no table
 
     submission = pd.DataFrame(rows, columns=[ID_COLUMN, RLE_COLUMN]).set_index(ID_COLUMN)
-    expected = [image_label(i, label) for i in test_image_ids(sample_path.parent) for label in LABELS]
-    if len(submission) != len(expected) or set(submission.index) != set(expected):
-        raise ValueError(f"submission has {len(submission)} rows, {sample_path} asks for {len(expected)}")
+    expected = sample_rows(sample_path.parent)
+    missing, extra = set(expected) - set(submission.index), set(submission.index) - set(expected)
+    if len(submission) != len(expected) or missing or extra:
+        raise ValueError(f"submission has {len(submission)} rows, {sample_path} asks for {len(expected)}"
+                         + "".join(f"; {name} {', '.join(sorted(keys)[:3])}{' ...' if len(keys) > 3 else ''}"
+                                   for name, keys in (("missing", missing), ("not asked for", extra)) if keys))
     submission = submission.loc[expected]
     for key, encoded in submission[RLE_COLUMN].items():
         try:

@@ -2,11 +2,13 @@
 
 import errno
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -62,6 +64,25 @@ def test_an_interrupted_submission_write_leaves_no_file(tiny_data, tmp_path, mon
     monkeypatch.setattr(pd.DataFrame, "to_csv", real_to_csv)
     written = write_submission(rows, tiny_data / "sample_submission.csv", tmp_path / "submission.csv")
     assert len(pd.read_csv(written)) == len(rows) and list(tmp_path.iterdir()) == [written]
+
+
+def test_a_submission_follows_the_sample_s_own_row_order_and_names_what_is_amiss(tiny_data, tmp_path):
+    """A sample_submission.csv sorted by label (all Fish rows first), not image by image. Would
+    catch: rows rebuilt as image order x label order (the file's other rows moved), or a mismatch
+    told by its row counts alone."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    sample = pd.read_csv(data / "sample_submission.csv")
+    parts = sample["Image_Label"].str.rpartition("_")
+    sample = sample.iloc[np.lexsort([parts[0], parts[2]])]  # by label, then image
+    sample.to_csv(data / "sample_submission.csv", index=False)
+    assert sample["Image_Label"].iloc[1].endswith("_Fish")  # not image by image
+    rows = [(key, "1 3") for key in sample["Image_Label"].sample(frac=1, random_state=0)]  # in any order
+    written = write_submission(rows, data / "sample_submission.csv", tmp_path / "submission.csv")
+    assert pd.read_csv(written)["Image_Label"].tolist() == sample["Image_Label"].tolist()
+    with pytest.raises(ValueError, match=rf"asks for {len(sample)}; missing {sample['Image_Label'].iloc[0]}; "
+                                         r"not asked for x\.jpg_Fish$"):
+        write_submission([r for r in rows if r[0] != sample["Image_Label"].iloc[0]] + [("x.jpg_Fish", "")],
+                         data / "sample_submission.csv", tmp_path / "submission.csv")
 
 
 def test_atomic_path_is_the_target_only_after_success(tmp_path):
