@@ -181,7 +181,9 @@ def decode_jpegs(data: list[torch.Tensor], image_ids: list[str], device: torch.d
     catches (engine.resilient_step), as it catches the model's.
 
     The worker checked each file's header, so what else fails here is corrupt compressed data
-    (`cloudseg check` decodes every image on the CPU and lists such files).
+    (`cloudseg check` decodes every image on the CPU and lists those OpenCV refuses). Data damaged
+    in the middle of a file that libjpeg only warns about ("Corrupt JPEG data", printed without the
+    file's name) is decoded as it comes, here as on the CPU: no check catches it yet.
     """
     # Imported here: torchvision adds seconds to `import cloudseg.data`, and cpu mode never needs it.
     from torchvision.io import ImageReadMode, decode_jpeg
