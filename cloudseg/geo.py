@@ -242,7 +242,8 @@ def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.dateti
             if parts["doy"] < 1 or day.year != parts["year"]:  # not rolled into another year
                 raise ValueError(f"{parts['year']} has no day {parts['doy']}")
             parts.update(month=day.month, day=day.day)
-        when = datetime.datetime(parts["year"], parts["month"], parts["day"], parts.get("hour", 0), parts.get("minute", 0))
+        when = datetime.datetime(parts["year"], parts["month"], parts["day"], parts.get("hour", 0),
+                                 parts.get("minute", 0))
     except ValueError as error:
         raise ValueError(f"{match.group(0)!r} in its name is not a time ({error}): say where its name has its time "
                          "with --time-pattern") from None

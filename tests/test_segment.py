@@ -446,10 +446,11 @@ GEOSTATIONARY = "+proj=geos +h=35786023 +lon_0=-75 +sweep=x +datum=WGS84"  # GOE
 def test_a_full_disk_is_gridded_from_the_pixels_proj_can_place(tiny_ensemble, tmp_path, monkeypatch, caplog):
     """CPU. A geostationary full disk (344 km pixels, red: Fish), its space grey, not black: valid
     pixels that PROJ cannot place (it gives them inf, and raises for a band of rows where it can
-    place none, as in a scene wholly off the disk), on a 10° grid beside an ordinary scene. Would catch: PROJ's error escaping the
-    scene (a GDAL error class, not a user error: the run stopped, no fractions.csv nor grid.nc), or
-    inf latitudes reaching the grid (a cell index of inf: grid.nc as large as the machine). The
-    disk's cells count exactly the pixels PROJ places one at a time, counted here."""
+    place none, as in a scene wholly off the disk), on a 10° grid beside an ordinary scene. Would
+    catch: PROJ's error escaping the scene (a GDAL error class, not a user error: the run stopped,
+    no fractions.csv nor grid.nc), or inf latitudes reaching the grid (a cell index of inf:
+    grid.nc as large as the machine). The disk's cells count exactly the pixels PROJ places one at
+    a time, counted here."""
     from rasterio.transform import from_origin as origin
     from rasterio.warp import transform
 
@@ -468,7 +469,8 @@ def test_a_full_disk_is_gridded_from_the_pixels_proj_can_place(tiny_ensemble, tm
     (tmp_path / "in").mkdir()
     disk = np.full((size, size, 3), 100, np.uint8)
     disk[..., 0] = 200
-    write_geotiff(tmp_path / "in" / "disk_20200101.tif", disk, crs=GEOSTATIONARY, transform=origin(-5.5e6, 5.5e6, pixel, pixel))
+    write_geotiff(tmp_path / "in" / "disk_20200101.tif", disk, crs=GEOSTATIONARY,
+                  transform=origin(-5.5e6, 5.5e6, pixel, pixel))
     write_geotiff(tmp_path / "in" / "plain_20200102.tif", disk[:20, :30])
     write_geotiff(tmp_path / "in" / "space_20200103.tif", disk[:8, :8], crs=GEOSTATIONARY,  # wholly off the disk
                   transform=origin(6e6, 6e6, pixel, pixel))
@@ -478,7 +480,8 @@ def test_a_full_disk_is_gridded_from_the_pixels_proj_can_place(tiny_ensemble, tm
     assert grid.valid_pixels.values.sum((1, 2)).tolist() == [placed, 20 * 30]  # no cell of space's
     assert "space_20200103.tif: 64 of its 64 valid pixels have no latitude" in caplog.text
     assert np.nanmin(grid.fraction.sel({"class": "Fish"}).values) == 1.0
-    assert f"disk_20200101.tif: {size * size - placed} of its {size * size} valid pixels have no latitude" in caplog.text
+    unplaced = f"disk_20200101.tif: {size * size - placed} of its {size * size} valid pixels have no latitude"
+    assert unplaced in caplog.text
     assert json.loads((tmp_path / "out" / "disk_20200101.json").read_text())["valid_pixels"] == size * size
 
 
@@ -531,7 +534,8 @@ def test_a_summary_an_earlier_call_left_is_named_where_this_call_writes_none(tin
     assert run_segment(monkeypatch, red_is_fish, scene, *args, "--grid", 10) == 0
     assert "earlier call" not in caplog.text
     assert run_segment(monkeypatch, red_is_fish, scene, *args) == 0
-    assert f"{tmp_path / 'out' / 'grid.nc'} is an earlier call's" in caplog.text and "fractions.csv is an" not in caplog.text
+    assert f"{tmp_path / 'out' / 'grid.nc'} is an earlier call's" in caplog.text
+    assert "fractions.csv is an" not in caplog.text
     caplog.clear()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "b.jpg").write_bytes(b"not a JPEG")
