@@ -400,8 +400,10 @@ def save_and_stop(run: Run, epoch: int, progress: Progress, rng: dict, when: str
 
 
 def end_epoch(run: Run, epoch: int, progress: Progress, validation: dict, rng: dict) -> None:
-    """A finished epoch: its metrics row, its skipped samples, last.pt, and best.pt when its
-    Dice is the best so far."""
+    """A finished epoch: its metrics row, its skipped samples, best.pt when its Dice is the best so
+    far, then last.pt. last.pt comes last: a resume takes the epoch as done once last.pt says so,
+    so a process that dies before it redoes the epoch (exactly) and writes everything again, where
+    best.pt written after last.pt could be lost for good."""
     progress.skipped_samples = every_rank_skipped(progress.skipped_samples)
     run.history.append(epoch_row(epoch, run.scheduler, progress, validation, run.step.device, run.peak_seconds))
     if not distributed.is_main():
@@ -409,13 +411,13 @@ def end_epoch(run: Run, epoch: int, progress: Progress, validation: dict, rng: d
     report_skipped(progress.skipped_samples, epoch + 1, run.dir, f"unreadable samples in epoch {epoch + 1}")
     record(run.history, run.dir, run.board)
     state = checkpoint_state(run, epoch + 1, None, rng)
-    save_checkpoint(run.dir / "last.pt", state)
     if best_epoch(run.history) == len(run.history) - 1:
         save_checkpoint(run.dir / "best.pt", state)
     if run.config.train.swa or run.config.train.save_epochs:  # the weights that train, not the EMA's
         epoch_path(run.dir, epoch + 1).parent.mkdir(exist_ok=True)
         save_checkpoint(epoch_path(run.dir, epoch + 1), {**{k: state[k] for k in ("config", "epoch", "step")},
                                                          "model": run.model.state_dict(), "metrics": run.history})
+    save_checkpoint(run.dir / "last.pt", state)
 
 
 def best_epoch(history: list[dict]) -> int:

@@ -97,6 +97,31 @@ def test_resumed_run_ends_with_the_same_parameters_as_a_straight_run(data, tmp_p
     assert pd.read_csv(interrupted / "metrics.csv")["epoch"].tolist() == [1, 2]
 
 
+def test_a_crash_between_an_epoch_s_checkpoints_leaves_best_pt_as_metrics_csv_says(data, tmp_path, monkeypatch):
+    """CPU. The process dies at the second checkpoint written at the end of epoch 2 (each epoch
+    the best: best_epoch made to say so), then resumes. Would catch: last.pt written before
+    best.pt (the resume takes epoch 2 as done, and best.pt keeps epoch 1 for good while
+    metrics.csv names epoch 2)."""
+    monkeypatch.setattr(train_module, "best_epoch", lambda history: len(history) - 1)
+    real_save, saves = train_module.save_checkpoint, []
+
+    def dying_at_epoch_two_s_second_save(path, state):
+        if state["epoch"] == 2 and state.get("progress") is None:
+            saves.append(path.name)
+            if len(saves) == 2:
+                raise KeyboardInterrupt
+        return real_save(path, state)
+
+    monkeypatch.setattr(train_module, "save_checkpoint", dying_at_epoch_two_s_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(data), tmp_path / "run")
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 0
+    assert len(saves) > 2  # epoch 2 redone
+    best, last = (load_checkpoint(tmp_path / "run" / name)["epoch"] for name in ("best.pt", "last.pt"))
+    assert best == last == 2
+    assert pd.read_csv(tmp_path / "run" / "metrics.csv")["epoch"].tolist() == [1, 2]
+
+
 def test_deterministic_training_runs_with_deterministic_algorithms_and_refuses_no_op(data, tmp_path, monkeypatch):
     """train.deterministic=true on the CPU (the GPU's bit-exact resume is tests/test_gpu.py's).
     Would catch: the switch not reaching speed_switches, and an op of the step that PyTorch has
