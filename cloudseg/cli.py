@@ -297,13 +297,16 @@ def run_train(args) -> int | None:
 
     from cloudseg import distributed
     from cloudseg.checkpoint import load_checkpoint
-    from cloudseg.config import apply_overrides, from_dict, load_config
+    from cloudseg.config import load_config, resumed_config
     from cloudseg.train import Interrupted, train
 
     if args.resume:
+        if args.config or args.out:
+            raise ValueError(f"--resume {args.resume} continues that run with its own config, in its own folder: "
+                             "leave out -c and --out (key=value overrides still apply)")
         run_dir = Path(args.resume)
         saved = load_checkpoint(run_dir / "last.pt")["config"]
-        config = from_dict(apply_overrides(saved, args.overrides), source=f"{run_dir}/last.pt")
+        config = resumed_config(saved, args.overrides, source=f"{run_dir}/last.pt")
     else:
         if not args.config:
             raise ValueError("train needs -c CONFIG (or --resume RUN_DIR)")

@@ -290,6 +290,29 @@ def from_dict(raw: dict, source: str = "config") -> Config:
         raise ValueError(f"{source}: {problems.replace('Extra inputs are not permitted', 'unknown key')}") from None
 
 
+# What a run's state was made with: its folds, its weights' shapes, its data order and its
+# optimizer's and scheduler's states (which a resume loads over the config's lr, weight decay and
+# schedule). A resume that changes one is refused: it would be ignored, or break the run.
+FIXED_ON_RESUME = ("seed", "data.fold", "data.n_folds", "data.image_size", "model", "train.effective_batch",
+                   "train.lr", "train.weight_decay", "train.schedule", "train.warmup_steps", "train.ema")
+
+
+def resumed_config(saved: dict, overrides: list[str], source: str) -> Config:
+    """The config of a resumed run: `saved` (a checkpoint's) with `overrides`, none of which may
+    change a key of FIXED_ON_RESUME (a one-line error naming it); others apply (train.epochs, the
+    workers, the rule validation scores with, ...)."""
+    config = from_dict(apply_overrides(saved, overrides), source)
+    before, after = from_dict(saved, source).model_dump(mode="json"), config.model_dump(mode="json")
+    for key in FIXED_ON_RESUME:
+        was, now = before, after
+        for part in key.split("."):
+            was, now = was[part], now[part]
+        if was != now:
+            raise ValueError(f"{source}: a resumed run keeps the {key} it trained with ({was!r}, not {now!r}): "
+                             "train a new run (--out) for another")
+    return config
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Copy of `raw` with each `a.b=value` set; values parse as YAML (null, [1400, 2100], true)."""
     raw = yaml.safe_load(yaml.safe_dump(raw))  # deep copy

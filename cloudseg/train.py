@@ -167,6 +167,8 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
                            str(run_dir / "last.pt"))
         start_epoch, history, progress = restore(saved, run_dir / "last.pt", model=model, optimizer=optimizer,
                                                  scheduler=scheduler, scaler=scaler)
+        if distributed.is_main():
+            write_config(run_dir, config)  # the overrides of the resume (train.epochs=...) included
     elif distributed.is_main():
         create_run_dir(run_dir, config, train_set.skipped)
     step = StepContext(model, optimizer, scaler, device, dtype, config.train.grad_clip, config.train.dice_weight,
@@ -243,9 +245,13 @@ def assemble(config: Config, run_dir: Path, step: StepContext, scheduler, sets) 
 def create_run_dir(run_dir: Path, config: Config, skipped_rows: list[Problem]) -> None:
     """A new run directory with its resolved config.yaml (and skipped.csv for bad train.csv rows)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(run_dir, config)
+    report_skipped(skipped_rows, None, run_dir, "bad rows of train.csv")
+
+
+def write_config(run_dir: Path, config: Config) -> None:
     with atomic_path(run_dir / "config.yaml") as tmp:
         tmp.write_text(dump(config))
-    report_skipped(skipped_rows, None, run_dir, "bad rows of train.csv")
 
 
 def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> bool:

@@ -122,6 +122,29 @@ def test_a_crash_between_an_epoch_s_checkpoints_leaves_best_pt_as_metrics_csv_sa
     assert pd.read_csv(tmp_path / "run" / "metrics.csv")["epoch"].tolist() == [1, 2]
 
 
+def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_changes(data, tmp_path, capsys):
+    """CPU, a finished 2-epoch run resumed. Would catch: train.lr or weight decay taken silently
+    (the optimizer's and scheduler's states loaded over them: the new value in config.yaml, the
+    old one used), another fold validated on images the run trained on, a model override ending
+    in load_state_dict's many lines, config.yaml left saying 2 epochs after a resume to 3, or a
+    -c or --out given with --resume and silently ignored."""
+    run = tmp_path / "run"
+    train(tiny_config(data), run)
+    for override, key in (("train.lr=1e-2", "train.lr"), ("train.weight_decay=0.5", "train.weight_decay"),
+                          ("data.fold=1", "data.fold"), ("model.encoder=resnet34", "model"),
+                          ("train.effective_batch=8", "train.effective_batch")):
+        assert main(["train", "--resume", str(run), override]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"cloudseg: error: {run}/last.pt: a resumed run keeps the {key} it trained with (")
+        assert "\n" not in error
+    for ignored in (["-c", "configs/demo.yaml"], ["--out", str(tmp_path / "elsewhere")]):
+        assert main(["train", "--resume", str(run), *ignored]) == 2
+        assert "leave out -c and --out" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "train.lr=3e-3", "train.epochs=3"]) == 0  # lr as it was: no change
+    assert load_config(run / "config.yaml").train.epochs == 3
+    assert pd.read_csv(run / "metrics.csv")["epoch"].tolist() == [1, 2, 3]
+
+
 def test_deterministic_training_runs_with_deterministic_algorithms_and_refuses_no_op(data, tmp_path, monkeypatch):
     """train.deterministic=true on the CPU (the GPU's bit-exact resume is tests/test_gpu.py's).
     Would catch: the switch not reaching speed_switches, and an op of the step that PyTorch has
