@@ -17,7 +17,9 @@ from pathlib import Path
 
 from cloudseg.task import IMAGE_SHAPE, LABELS
 
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError, RuntimeError)
+# A path of the wrong kind (a file where a folder goes, or the other way) is the user's too: one line naming it.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, KeyError,
+               RuntimeError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,7 +159,9 @@ def read_image(path: str | Path, expected_shape: tuple[int, int] | None = None) 
     """
     path = Path(path)
     data, _ = _checked_jpeg(path)
-    image = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    # the pixels as stored, as the GPU's decode and the masks have them: OpenCV would turn an image
+    # by its EXIF orientation, and rotate it away from its masks
+    image = cv2.imdecode(data, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
     if image is None:
         raise ValueError(f"{path}: corrupt JPEG, OpenCV cannot decode it")
     _check_size(path, image.shape[:2], expected_shape)

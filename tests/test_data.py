@@ -191,6 +191,25 @@ def test_rle_past_the_image_names_its_image_label(data_copy):
         dataset[0]
 
 
+@pytest.mark.parametrize("orientation", [3, 6])
+def test_an_exif_orientation_is_not_applied_as_the_gpu_decode_and_the_masks_do_not(tmp_path, orientation):
+    """A 64x96 JPEG with a white top-left corner, tagged EXIF orientation 3 (turned 180°) or 6
+    (90°). Would catch: OpenCV's default, which turns the pixels by the tag: the image rotated away
+    from its masks (3), or refused as 96x64 while read_jpeg_bytes, for the GPU, takes it (6)."""
+    from PIL import Image
+
+    from cloudseg.data import read_image, read_jpeg_bytes
+
+    pixels = np.full((64, 96, 3), 40, np.uint8)
+    pixels[:16, :16] = 255
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(pixels).save(tmp_path / "a.jpg", quality=95, exif=exif)
+    image = read_image(tmp_path / "a.jpg", (64, 96))
+    assert image[:16, :16].min() > 200 and image[-16:, -16:].max() < 80
+    assert len(read_jpeg_bytes(tmp_path / "a.jpg", (64, 96)))
+
+
 def test_explicit_image_size_rejects_other_sizes(tiny_data):
     with pytest.raises(ValueError, match="is 64x96, expected 1400x2100"):
         CloudDataset(tiny_data, image_size=(1400, 2100))[0]

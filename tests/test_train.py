@@ -122,6 +122,16 @@ def test_a_crash_between_an_epoch_s_checkpoints_leaves_best_pt_as_metrics_csv_sa
     assert pd.read_csv(tmp_path / "run" / "metrics.csv")["epoch"].tolist() == [1, 2]
 
 
+def test_an_out_that_is_a_file_is_one_line_naming_it(data, tmp_path, capsys):
+    """Would catch: FileExistsError's traceback (exit 1) where --out names a file, or
+    NotADirectoryError's where it lies under one."""
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        assert main(["train", "-c", "configs/demo.yaml", "--out", str(out), f"data.dir={data}", *TINY]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith("cloudseg: error: ") and str(tmp_path / "file") in error and "\n" not in error
+
+
 def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_changes(data, tmp_path, capsys):
     """CPU, a finished 2-epoch run resumed. Would catch: train.lr or weight decay taken silently
     (the optimizer's and scheduler's states loaded over them: the new value in config.yaml, the
