@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from cloudseg.task import LABELS
 
@@ -28,7 +28,7 @@ class DataConfig(Section):
     dir: str = Field("data/kaggle", description="folder in the Kaggle layout (train.csv, train_images/, ...)")
     fold: int = Field(0, ge=0, description="fold held out for validation; the other folds train")
     n_folds: int = Field(5, ge=2, description="number of folds (folds.csv is made once per data folder)")
-    image_size: tuple[int, int] | None = Field(
+    image_size: tuple[PositiveInt, PositiveInt] | None = Field(
         None, description="expected native [H, W] of every image; null = taken from the first image"
     )
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes")

@@ -198,6 +198,7 @@ def test_scheduler_and_optimizer_step_once_per_window(data, tmp_path):
         ("train.effective_batch=10", r"effective_batch \(10\) must be a multiple of train.micro_batch \(4\)"),
         ("model.norm=layer", "model.norm: .*'batch', 'frozen' or 'group'"),
         ("train.precision=fp8", "train.precision"),
+        ("data.image_size=[1400,0]", r"data.image_size.1: .*greater than 0"),  # not after the model is built
         ("nonsense", "not of the form"),
     ],
 )
