@@ -365,7 +365,7 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         with published_together() as published:  # nothing of a failed scene left: its maps go with NAME.json
             with clock("write"):
                 published += close()
-            record = counts.record(path.name, when)
+            record = {**counts.record(path.name, when), **map_format(options, path)}
             with atomic_path(done_file(out_dir, path)) as tmp:
                 tmp.write_text(json.dumps(record))
         return record
@@ -626,7 +626,7 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
     check_writable(out_dir, scenes)
     start = time.perf_counter()
     ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)),
-                             work_pixels=pixels_to_map(scenes, out_dir, options.grid))
+                             work_pixels=pixels_to_map(scenes, out_dir, options))
     log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
              human_duration(time.perf_counter() - start))
     return segment_scenes(scenes, ensemble, out_dir, replace(options, tile=window_size(ensemble, options.tile,
@@ -638,10 +638,10 @@ def my_share(scenes: list[Path]) -> list[Path]:
     return scenes[distributed.rank()::distributed.world_size()]
 
 
-def pixels_to_map(scenes: list[Path], out_dir: Path, grid: float | None) -> int:
+def pixels_to_map(scenes: list[Path], out_dir: Path, options: SegmentOptions) -> int:
     """Pixels of the scenes that this process will map (its share, less those done), from the
     files' headers: predict.compile=auto compiles only for a job that repays it."""
-    return sum(math.prod(geo.scene_shape(path)) for path in my_share(scenes) if not is_done(out_dir, path, grid))
+    return sum(math.prod(geo.scene_shape(path)) for path in my_share(scenes) if not is_done(out_dir, path, options))
 
 
 def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, options: SegmentOptions, *,
@@ -650,7 +650,7 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
     then the summaries. Its log lines give the rate over the scenes alone (loading apart; a
     compile, the first batch's, included), then the seconds of each stage (`stages.StageClock`)."""
     mine = my_share(scenes)
-    todo = [path for path in mine if not is_done(out_dir, path, options.grid)]
+    todo = [path for path in mine if not is_done(out_dir, path, options)]
     failed, start, pixels, clock = [], time.perf_counter(), 0, clock or StageClock()
 
     def fail(path: Path, error: BaseException) -> None:
@@ -672,7 +672,7 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
     failed = distributed.gathered(failed)
     done_before, mapped, pixels = np.sum(distributed.gathered([(len(mine) - len(todo), len(todo), pixels)]), 0)
     if distributed.is_main():
-        write_summaries(scenes, out_dir, options.grid)
+        write_summaries(scenes, out_dir, options)
         seconds = time.perf_counter() - start
         log.info("segment: %d scenes, %d done before, %d failed, %d processes; %.2f scenes/s, %.1f megapixels/s "
                  "-> %s", len(scenes), done_before, len(failed), distributed.world_size(),
@@ -721,12 +721,25 @@ def window_size(ensemble: Ensemble, tile: tuple[int, int] | None, checkpoint: st
     return tuple(ensemble.config.data.image_size)
 
 
-def is_done(out_dir: Path, path: Path, grid: float | None) -> bool:
-    """The scene's NAME.json exists, written with the same --grid."""
+def is_done(out_dir: Path, path: Path, options: SegmentOptions) -> bool:
+    """The scene's NAME.json exists, written with the same --grid and, for a GeoTIFF scene, the
+    same map format (`map_format`; a NAME.json from before that was recorded counts as written
+    with today's)."""
     try:
-        return json.loads(done_file(out_dir, path).read_text()).get("grid") == grid
+        record = json.loads(done_file(out_dir, path).read_text())
     except (OSError, ValueError):
         return False
+    return record.get("grid") == options.grid and all(record.get(key, value) == value
+                                                       for key, value in map_format(options, path).items())
+
+
+def map_format(options: SegmentOptions, path: Path) -> dict:
+    """What NAME.json records of a GeoTIFF scene's map, so that a rerun asking for another one
+    maps the scene again: its bands (--outputs), codec and layout (--cog). A JPEG or PNG scene's
+    PNGs do not depend on them."""
+    if not geo.is_geotiff(path):
+        return {}
+    return {"outputs": list(options.outputs), "compress": options.compress, "cog": options.cog}
 
 
 def scene_error(path: Path, error: BaseException) -> str:
@@ -753,12 +766,13 @@ def write_fractions(records: list[dict], path: Path) -> Path:
     return path
 
 
-def write_summaries(scenes: list[Path], out_dir: Path, grid: float | None) -> None:
+def write_summaries(scenes: list[Path], out_dir: Path, options: SegmentOptions) -> None:
     """fractions.csv (one row per scene of `scenes` done: time, size, valid pixels, each class's
     area fraction of the valid pixels) and, with `grid`, grid.nc over the georeferenced ones. A
     summary this call does not write that an earlier call left in `out_dir` is named in a warning:
     it is not of these scenes."""
-    records = [json.loads(done_file(out_dir, path).read_text()) for path in scenes if is_done(out_dir, path, grid)]
+    grid = options.grid
+    records = [json.loads(done_file(out_dir, path).read_text()) for path in scenes if is_done(out_dir, path, options)]
     written = set()
     if records:
         written.add(write_fractions(records, out_dir / FRACTIONS_CSV))

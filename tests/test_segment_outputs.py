@@ -1,6 +1,8 @@
 """`cloudseg segment`'s outputs (--outputs, --compress, --cog), its GDAL threads and its stage line
 (cloudseg.stages), on the CPU with small scenes and models that cost nothing."""
 
+import json
+import logging
 import re
 import threading
 import time
@@ -138,6 +140,35 @@ def test_a_map_that_gdal_could_not_write_whole_fails_its_scene_and_is_not_publis
     if codec == "zstd":
         assert f"{tmp_path / 'out' / 'scene.tif'}: GDAL did not write the map whole" in errors[0]
     assert list((tmp_path / "out").iterdir()) == []  # no map, no NAME.json, no temporary file
+
+
+def test_a_rerun_asking_for_another_map_format_maps_the_scene_again(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
+                                                                    caplog):
+    """CPU. Would catch: a scene taken as done whatever --outputs, --compress or --cog the rerun
+    asks for (the old eight zstd bands kept under a call for one deflated band of class bits), a
+    rerun with the same options mapping again, or a NAME.json from before the format was recorded
+    no longer counting as done."""
+    checkpoint, _ = tiny_ensemble
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    mapped(monkeypatch, checkpoint, scene_dir, out)
+    assert "1 scenes, 0 done before" in caplog.text
+    for options, codec, bands in ((["--outputs", "classbits"], "zstd", 1), (["--outputs", "classbits"], "zstd", 1),
+                                  (["--outputs", "classbits", "--compress", "deflate"], "deflate", 1),
+                                  (["--outputs", "classbits", "--compress", "deflate", "--cog"], "deflate", 1)):
+        caplog.clear()
+        written, (wrote, _) = mapped(monkeypatch, checkpoint, scene_dir, out, *options)
+        assert (wrote, len(written)) == (codec, bands)
+        again = options == ["--outputs", "classbits"] and "1 scenes, 1 done before" in caplog.text
+        assert again or "1 scenes, 0 done before" in caplog.text, options
+    record = json.loads((out / "scene.json").read_text())
+    assert (record["outputs"], record["compress"], record["cog"]) == (["classbits"], "deflate", True)
+    for key in ("outputs", "compress", "cog"):
+        del record[key]
+    (out / "scene.json").write_text(json.dumps(record))  # as written before the format was recorded
+    caplog.clear()
+    mapped(monkeypatch, checkpoint, scene_dir, out)
+    assert "1 scenes, 1 done before" in caplog.text
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -235,7 +235,7 @@ def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_pat
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith(f"cloudseg segment: {scenes[0]}")
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "fractions.csv"]
-    assert not segment_module.is_done(tmp_path / "out", scenes[0], None)
+    assert not segment_module.is_done(tmp_path / "out", scenes[0], OPTIONS)
 
 
 @pytest.mark.parametrize("failing", ["a_overlay.png", "a.json"])
