@@ -369,7 +369,8 @@ def run_segment(args) -> int:
 
     if args.overlap is not None and not 0 <= args.overlap < 1:
         raise ValueError(f"--overlap must be at least 0 and below 1, got {args.overlap}")
-    overrides = [item for item in args.scenes if re.match(r"\w+(\.\w+)+=", item)]  # both come as positionals
+    # both come as positionals: a key=value is an override unless a file or folder has that name
+    overrides = [item for item in args.scenes if re.match(r"\w+(\.\w+)+=", item) and not Path(item).exists()]
     scenes = [item for item in args.scenes if item not in overrides]
     options = SegmentOptions(args.tile and tuple(args.tile), OVERLAP if args.overlap is None else args.overlap,
                              args.grid, args.time_pattern or TIME_PATTERN, tuple(args.outputs.split(",")),

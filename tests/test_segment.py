@@ -764,6 +764,19 @@ def test_scenes_are_the_scene_files_of_folders_and_patterns_each_once(tmp_path, 
         find_scenes([str(folder), str(tmp_path / "a.png")])
 
 
+def test_a_scene_named_like_an_override_is_a_scene(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU. Would catch: run.v2=x.png, a file in the working folder, taken for the override
+    `run.v2` (its scene never mapped), or a real override (predict.batch_size=1) taken for a scene
+    (no such file)."""
+    checkpoint, _ = tiny_ensemble
+    monkeypatch.chdir(tmp_path)
+    cv2.imwrite("run.v2=x.png", smooth_scene(64, 96))
+    assert main(["segment", "run.v2=x.png", "predict.batch_size=1", "--checkpoint", str(checkpoint), "--out", "out",
+                 "--device", "cpu"]) == 0
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
+        "fractions.csv", "run.v2=x.json", "run.v2=x_masks.png", "run.v2=x_overlay.png"]
+
+
 def test_an_out_folder_that_holds_scenes_is_refused(tiny_ensemble, tmp_path, capsys):
     """CPU. Would catch: JPEG scenes mapped into their own folder, where a rerun takes a_masks.png
     and a_overlay.png for scenes (a failed scene, a scene mapped from a map)."""
