@@ -76,7 +76,7 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
         found.append(Problem(image_id, message))
 
     rows = []
-    for line, (key, encoded) in enumerate(zip(frame[ID_COLUMN], frame[RLE_COLUMN]), start=2):
+    for line, key, encoded in zip(data_lines(path, len(frame)), frame[ID_COLUMN], frame[RLE_COLUMN]):
         try:
             image_id, label = split_image_label(key)
             rle.parse(encoded)
@@ -112,6 +112,13 @@ def read_train_csv(data_dir: str | Path, problems: list[Problem] | None = None) 
 def test_image_ids(data_dir: str | Path, problems: list[Problem] | None = None) -> list[str]:
     """Test image ids in the order of `sample_submission.csv`."""
     return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV, problems=problems).index.tolist()
+
+
+def data_lines(path: Path, rows: int) -> list[int]:
+    """The file's line number of each of its `rows` data rows as pandas reads them: the blank lines
+    pandas skips counted (else, where the two disagree, the rows' own count from line 2)."""
+    numbers = [n for n, text in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1) if text.strip()]
+    return numbers[1:] if len(numbers) == rows + 1 else list(range(2, rows + 2))
 
 
 def sample_rows(data_dir: str | Path) -> list[str]:

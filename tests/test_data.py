@@ -70,6 +70,9 @@ def test_byte_order_mark_and_windows_line_endings_just_work(tmp_path):
         (HEADER + "nolabel,1 2\n", r"line 2 \(nolabel\).*not of the form"),
         (HEADER + four_rows("a.jpg") + "a.jpg_Fish,\n", r"duplicate Image_Label a\.jpg_Fish on lines \[2, 6\]"),
         (HEADER + four_rows("a.jpg", ("1 2", "3", "", "")), r"line 3 \(a\.jpg_Flower\): RLE has an odd number"),
+        # blank lines, which pandas skips, still count: the file's line 6, not its 4th data row's "line 5"
+        (HEADER + "\n" + four_rows("a.jpg", ("1 2", "", "x 1", "")).replace("a.jpg_Flower,\n", "a.jpg_Flower,\n\n"),
+         r"line 6 \(a\.jpg_Gravel\): RLE has a non-integer"),
         (HEADER + four_rows("a.jpg")[: -len("a.jpg_Sugar,3 1\n")], r"image a\.jpg has no row for label\(s\) \['Sugar'\]"),
     ],
 )
