@@ -722,15 +722,20 @@ def window_size(ensemble: Ensemble, tile: tuple[int, int] | None, checkpoint: st
 
 
 def is_done(out_dir: Path, path: Path, options: SegmentOptions) -> bool:
-    """The scene's NAME.json exists, written with the same --grid and, for a GeoTIFF scene, the
-    same map format (`map_format`; a NAME.json from before that was recorded counts as written
-    with today's)."""
+    return done_record(out_dir, path, options) is not None
+
+
+def done_record(out_dir: Path, path: Path, options: SegmentOptions) -> dict | None:
+    """The scene's NAME.json where it exists, written with the same --grid and, for a GeoTIFF
+    scene, the same map format (`map_format`; a NAME.json from before that was recorded counts as
+    written with today's); else None."""
     try:
         record = json.loads(done_file(out_dir, path).read_text())
     except (OSError, ValueError):
-        return False
-    return record.get("grid") == options.grid and all(record.get(key, value) == value
-                                                       for key, value in map_format(options, path).items())
+        return None
+    same = record.get("grid") == options.grid and all(record.get(key, value) == value
+                                                      for key, value in map_format(options, path).items())
+    return record if same else None
 
 
 def map_format(options: SegmentOptions, path: Path) -> dict:
@@ -772,7 +777,7 @@ def write_summaries(scenes: list[Path], out_dir: Path, options: SegmentOptions) 
     summary this call does not write that an earlier call left in `out_dir` is named in a warning:
     it is not of these scenes."""
     grid = options.grid
-    records = [json.loads(done_file(out_dir, path).read_text()) for path in scenes if is_done(out_dir, path, options)]
+    records = [record for path in scenes if (record := done_record(out_dir, path, options)) is not None]
     written = set()
     if records:
         written.add(write_fractions(records, out_dir / FRACTIONS_CSV))
