@@ -6,6 +6,7 @@ probabilities at 350×525 → post-process → submission.
 
 from __future__ import annotations
 
+import io
 import random
 import warnings
 from pathlib import Path
@@ -63,8 +64,10 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found")
-    # utf-8-sig drops a byte-order mark; pandas takes \r\n line endings as they come.
-    frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
+    # utf-8-sig drops a byte-order mark; \r\n line endings are read as \n. One read: the text
+    # also gives the rows' line numbers.
+    text = path.read_text(encoding="utf-8-sig")
+    frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)
     missing = [c for c in (ID_COLUMN, RLE_COLUMN) if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; expected header '{ID_COLUMN},{RLE_COLUMN}'")
@@ -76,7 +79,7 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
         found.append(Problem(image_id, message))
 
     rows = []
-    for line, key, encoded in zip(data_lines(path, len(frame)), frame[ID_COLUMN], frame[RLE_COLUMN]):
+    for line, key, encoded in zip(data_lines(text, len(frame)), frame[ID_COLUMN], frame[RLE_COLUMN]):
         try:
             image_id, label = split_image_label(key)
             rle.parse(encoded)
@@ -114,10 +117,10 @@ def test_image_ids(data_dir: str | Path, problems: list[Problem] | None = None) 
     return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV, problems=problems).index.tolist()
 
 
-def data_lines(path: Path, rows: int) -> list[int]:
-    """The file's line number of each of its `rows` data rows as pandas reads them: the blank lines
-    pandas skips counted (else, where the two disagree, the rows' own count from line 2)."""
-    numbers = [n for n, text in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1) if text.strip()]
+def data_lines(text: str, rows: int) -> list[int]:
+    """The line number of each of a CSV `text`'s `rows` data rows as pandas reads them: the blank
+    lines pandas skips counted (else, where the two disagree, the rows' own count from line 2)."""
+    numbers = [n for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
     return numbers[1:] if len(numbers) == rows + 1 else list(range(2, rows + 2))
 
 
