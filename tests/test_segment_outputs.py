@@ -93,6 +93,15 @@ def test_cog_is_a_cloud_optimized_geotiff_with_the_same_bands(tiny_ensemble, tmp
     assert not list((tmp_path / "cog").glob(".*"))  # no file of strips left behind
 
 
+def refused_before_any_work(monkeypatch, checkpoint, scenes, out, capsys, option: list, named: str) -> None:
+    """`cloudseg segment` with `option` exits 2 with one line, "cloudseg: error: " then `named`,
+    before `out` is made."""
+    assert run_segment(monkeypatch, pixelwise, scenes, "--checkpoint", checkpoint, "--out", out, *option) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"cloudseg: error: {named}") and "\n" not in error
+    assert not out.exists()
+
+
 @pytest.fixture
 def file_size_limit():
     """Sets this process's file-size limit (RLIMIT_FSIZE) until the test ends: a write past it fails
@@ -231,11 +240,8 @@ def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene
     work done before the error."""
     checkpoint, _ = tiny_ensemble
     for option, value in (("--outputs", "probs,clouds"), ("--outputs", "masks,masks"), ("--compress", "jpeg2000")):
-        assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
-                           option, value) == 2
-        error = capsys.readouterr().err.strip()
-        assert error.startswith(f"cloudseg: error: {option} {value}: ") and "\n" not in error
-    assert not (tmp_path / "out").exists()
+        refused_before_any_work(monkeypatch, checkpoint, scene_dir, tmp_path / "out", capsys, [option, value],
+                                f"{option} {value}: ")
     monkeypatch.setitem(geo.CODECS, "lerc", dict(compress="webp"))  # a codec this GDAL cannot put in a GeoTIFF
     geo.check_codec.cache_clear()
     cv2.imwrite(str(scene_dir / "a.jpg"), smooth_scene(40, 60))  # first of the folder's scenes, not a GeoTIFF
@@ -260,11 +266,7 @@ def test_a_grid_or_tile_that_is_no_size_is_refused_before_any_work(tiny_ensemble
     (cells of garbage, or NaN != NaN making no scene ever done), a window of no pixels (OpenCV's
     assertion stopping the run) or of negative ones (every scene failing) accepted."""
     checkpoint, _ = tiny_ensemble
-    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
-                       *option) == 2
-    error = capsys.readouterr().err.strip()
-    assert error.startswith(f"cloudseg: error: {option[0]} ") and "\n" not in error
-    assert not (tmp_path / "out").exists()
+    refused_before_any_work(monkeypatch, checkpoint, scene_dir, tmp_path / "out", capsys, option, f"{option[0]} ")
 
 
 @pytest.mark.parametrize("pattern", ["(", r"(?P<y>\d{8})", r"(?P<year>\d{4})(?P<month>\d{2})",
@@ -275,11 +277,8 @@ def test_a_time_pattern_scene_time_cannot_read_is_refused_before_any_work(tiny_e
     scene failed first: a KeyError's bare `year`, or re.error's traceback), a group missing or one
     scene_time cannot read (int() of a band letter) let through."""
     checkpoint, _ = tiny_ensemble
-    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out",
-                       "--time-pattern", pattern) == 2
-    error = capsys.readouterr().err.strip()
-    assert error.startswith(f"cloudseg: error: --time-pattern {pattern}: ") and "\n" not in error
-    assert not (tmp_path / "out").exists()
+    refused_before_any_work(monkeypatch, checkpoint, scene_dir, tmp_path / "out", capsys, ["--time-pattern", pattern],
+                            f"--time-pattern {pattern}: ")
     for readable in (geo.TIME_PATTERN, r"A(?P<year>\d{4})(?P<doy>\d{3})",
                      r"(?P<year>\d{4})(?P<month>\d{2})(?P<day>\d{2})T(?P<hour>\d{2})(?P<minute>\d{2})"):
         geo.check_time_pattern(readable)
