@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One short GPU window, as one command: `make test-gpu` (cut at TEST_S seconds), then `make bench`
-# in what is left of LIMIT_S, the segment part first, training last; between them benchmarks/import_time.py
+# in what is left of LIMIT_S (by default the segment part first, training last); between them benchmarks/import_time.py
 # and benchmarks/cudnn_search.py. Logs, the report, the GPU's name and the profiles of slow tests go to OUT.
 # For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
-# TESTS, a pytest -k expression, picks the GPU tests (those a window never reached, BENCHMARKS.md).
-#   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210] [TESTS]
+# TESTS, a pytest -k expression, picks the GPU tests (those a window never reached, BENCHMARKS.md);
+# PARTS, `make bench`'s parts in the order run (those a window never reached).
+#   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210] [TESTS] [PARTS]
 set -u
 LIMIT_S=${1:-570}
 TEST_S=${2:-210}
 TESTS=${3:-}
+PARTS=${4:-segment memory epoch predict training}
 mkdir -p "${OUT:=bench/window}" bench && OUT=$(cd "$OUT" && pwd)
 start=$SECONDS
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -62,7 +64,7 @@ timeout -k 5 120 python3 benchmarks/cudnn_search.py --repeat 1 >"$OUT/cudnn.log"
 echo "cudnn_search: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/cudnn.log"
 
 budget=$((LIMIT_S - (SECONDS - start) - 20))
-make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts segment memory epoch predict training" \
+make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts $PARTS" \
   >"$OUT/bench.log" 2>&1
 echo "make bench: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
 cp bench/report.md "$OUT/" 2>/dev/null
