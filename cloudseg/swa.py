@@ -27,7 +27,7 @@ from torch.optim.swa_utils import AveragedModel, update_bn
 from cloudseg import distributed
 from cloudseg.checkpoint import load_checkpoint, save_checkpoint
 from cloudseg.config import Config, from_dict
-from cloudseg.data import CloudDataset, fold_ids, make_loader
+from cloudseg.data import CloudDataset, Problem, fold_ids, make_loader, readable
 from cloudseg.model import CloudNet, build_model, load_weights, norm_statistics, restore_norm_statistics
 
 log = logging.getLogger("cloudseg")
@@ -75,8 +75,10 @@ def average_checkpoints(paths: list[str | Path]) -> tuple[CloudNet, Config, dict
 @torch.no_grad()
 def recompute_norm_statistics(model: CloudNet, config: Config, device: torch.device, sharded: bool = False) -> int:
     """Each BatchNorm layer's running statistics measured again over the training folds of
-    `config` (no augmentation, micro-batches of train.micro_batch); returns the images seen.
-    `sharded`: every process of a distributed run calls it, each on its share of the images."""
+    `config` (no augmentation, micro-batches of train.micro_batch); returns the images seen
+    (in a sharded call, this process's).
+    `sharded`: every process of a distributed run calls it, each on its share of the images.
+    Unreadable images (data.on_bad_sample=skip) are left out, with a warning, and not counted."""
     frozen = model.unet.encoder if config.model.norm == "frozen" else None
     kept = norm_statistics(frozen) if frozen is not None else {}
     train_ids, _ = fold_ids(config.data, config.seed)
@@ -87,13 +89,17 @@ def recompute_norm_statistics(model: CloudNet, config: Config, device: torch.dev
     loader = make_loader(dataset, config.data, micro_batch, device, shard)
     model.to(device)
     norms = [module for module in model.modules() if isinstance(module, _BatchNorm)]
+    skipped: list[Problem] = []
     if norms:
-        update_bn((batch["image"] for batch in loader), model, device)
+        update_bn((batch["image"] for batch in readable(loader, skipped)), model, device)
         if sharded:
             pool_ranks(norms)
     if frozen is not None:
         restore_norm_statistics(frozen, kept)
-    return len(dataset)
+    if skipped:
+        log.warning("BatchNorm statistics measured without %d unreadable training image(s): %s", len(skipped),
+                    ", ".join(problem.image_id for problem in skipped))
+    return (len(dataset) if shard is None else len(shard)) - len(skipped)
 
 
 def pool_ranks(norms: list[_BatchNorm]) -> None:

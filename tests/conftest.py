@@ -123,16 +123,16 @@ def signal_during(model, call, signum, training=True):
     return model
 
 
-def stem_norm_statistics(model, data_dir, config):
-    """(name, layer, mean of its input over the config's training images) of the model's first
-    BatchNorm (the stem's), the input measured with a hook in one eval-mode forward: what its
+def stem_norm_statistics(model, data_dir, config, ids=None):
+    """(name, layer, mean of its input over the config's training images, or `ids`) of the model's
+    first BatchNorm (the stem's), the input measured with a hook in one eval-mode forward: what its
     running mean must be once BatchNorm is measured again over those images under these weights."""
     from cloudseg.data import CloudDataset, fold_ids
 
     name, norm = next((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))
     inputs = []
     handle = norm.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
-    dataset = CloudDataset(data_dir, "train", fold_ids(config.data, config.seed)[0])
+    dataset = CloudDataset(data_dir, "train", fold_ids(config.data, config.seed)[0] if ids is None else ids)
     with torch.no_grad():
         model.eval()(torch.stack([dataset[i]["image"] for i in range(len(dataset))]))
     handle.remove()

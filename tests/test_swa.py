@@ -1,6 +1,8 @@
 """Weight averaging (train.swa, cloudseg swa): parameters averaged, BatchNorm statistics measured
 again over the training images. On the CPU."""
 
+import logging
+
 import pytest
 import torch
 
@@ -8,8 +10,9 @@ from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint, save_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
+from cloudseg.data import fold_ids
 from cloudseg.model import build_model
-from cloudseg.swa import chosen_epochs, epoch_path
+from cloudseg.swa import chosen_epochs, epoch_path, recompute_norm_statistics
 from tests.conftest import TINY, stem_norm_statistics, named
 
 
@@ -41,6 +44,26 @@ def test_swa_averages_the_weights_and_measures_batchnorm_again(data_copy, tmp_pa
     written = load_checkpoint(tmp_path / "swa.pt")["model"]
     for name, value in best["model"].items():
         torch.testing.assert_close(written[name], value, msg=named(name))
+
+
+def test_batchnorm_is_measured_without_an_unreadable_training_image(data_copy, caplog):
+    """data.on_bad_sample=skip, micro-batches of 1, one training image spoiled: the statistics are
+    the readable images' alone, the count leaves the spoiled one out, and a warning names it.
+    Would catch: the pass reading the loader's batches as they come (a batch of only unreadable
+    images has no "image": KeyError, which ended `cloudseg swa`, train.swa and every EMA
+    validation), or the spoiled image counted as seen."""
+    config = load_config("configs/demo.yaml", [f"data.dir={data_copy}", *TINY, "train.micro_batch=1",
+                                                "data.on_bad_sample=skip"])
+    train_ids = fold_ids(config.data, config.seed)[0]
+    spoiled = train_ids[3]
+    (data_copy / "train_images" / spoiled).write_bytes(b"not a jpeg")
+    model = build_model(config.model, pretrained=False)
+    with caplog.at_level(logging.WARNING, logger="cloudseg"):
+        assert recompute_norm_statistics(model, config, torch.device("cpu")) == len(train_ids) - 1
+    assert f"without 1 unreadable training image(s): {spoiled}" in caplog.text
+    readable_ids = [image for image in train_ids if image != spoiled]
+    _, bn, expected = stem_norm_statistics(model, data_copy, config, readable_ids)
+    torch.testing.assert_close(bn.running_mean, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_more_epochs_to_average_than_the_run_has_is_one_line():
