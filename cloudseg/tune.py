@@ -16,7 +16,8 @@ from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
 from cloudseg.metrics import dice
 from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RULE_DEFAULTS, RULE_FILE, RULE_KEYS,
-                                  THRESHOLDS, TOP_K, all_gate_scores, grid_scores, postprocess, presence_scores, write_rule_file)
+                                  THRESHOLDS, TOP_K, all_gate_scores, apply_rule, grid_scores, postprocess, presence_scores,
+                                  write_rule_file)
 from cloudseg.task import LABELS
 from cloudseg.units import human_duration
 
@@ -62,9 +63,20 @@ def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP
     result["box"] = list(_rule_value(current, "box", RULE_DEFAULTS["box"]))
     if _rule_value(current, "box_search", True):
         result["box"], result["cv_dice"]["boxed"] = search_boxes(probs8, truth, result, classes8, top_k, prior_images)
+    elif any(result["box"]):  # the current rule's boxes, kept: scored as the search's would be
+        result["cv_dice"]["boxed"] = rule_dice(probs8, truth, result, classes8)
+    result["force_label"] = _rule_value(current, "force_label", RULE_DEFAULTS["force_label"])
     if _rule_value(current, "force_label_search", True):
         result["force_label"], result["cv_dice"]["forced"] = search_force_label(probs8, truth, result, classes8, top_k)
+    elif result["force_label"] is not None:  # likewise
+        result["cv_dice"]["forced"] = rule_dice(probs8, truth, result, classes8)
     return result
+
+
+def rule_dice(probs8, truth, rule: dict, classes8=None) -> dict:
+    """The mean Dice over these images of the whole `rule` (`apply_rule`): {"mean": ..., label: ...}."""
+    pair = np.asarray(dice(apply_rule(probs8, rule, classes8), truth))
+    return {"mean": float(pair.mean()), **dict(zip(LABELS, pair.mean(0).tolist()))}
 
 
 def search_boxes(probs8, truth, rule: dict, classes8=None, top_k: int = TOP_K, prior_images: float = PRIOR_IMAGES):

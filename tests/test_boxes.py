@@ -9,7 +9,7 @@ import pytest
 from cloudseg.config import load_config
 from cloudseg.metrics import dice
 from cloudseg.postprocess import bounding_boxes, postprocess, read_rule_file
-from cloudseg.tune import search_boxes, search_rule
+from cloudseg.tune import search_boxes, search_rule, table
 
 ALL = [0.5] * 4
 NONE = [0] * 4
@@ -80,6 +80,22 @@ def test_the_search_boxes_the_classes_whose_labels_are_boxes_and_no_others():
     assert result["box"] == [True, True, False, False]
     kept = search_rule(probs8, truth, {**rule, "box": [False, True, False, False], "box_search": False}, prior_images=0)
     assert kept["box"] == [False, True, False, False]  # not searched: the rule in force keeps its own
+
+
+def test_boxes_kept_unsearched_are_scored_and_tabled():
+    """predict.box set and box_search off: the tuned rule keeps the boxes, reports the Dice with
+    them (postprocess's, by hand here) and `cloudseg tune`'s table prints it. Would catch: the
+    table reading a boxed Dice that only the search had filled (KeyError after postprocess.json
+    was written, so `cloudseg tune` failed on a rule it had saved)."""
+    probs8, truth = boxes_and_ellipses()
+    rule = {"threshold": ALL, "min_area": NONE, "gate": NONE, "gate_on": ["top_k"] * 4,
+            "box": [False, True, False, False], "box_search": False}
+    kept = search_rule(probs8, truth, rule, prior_images=0)
+    masks = postprocess(probs8, kept["threshold"], kept["min_area"], kept["gate"], gate_on=kept["gate_on"],
+                        box=[False, True, False, False])
+    assert kept["cv_dice"]["boxed"]["mean"] == pytest.approx(np.asarray(dice(masks, truth)).mean())
+    kept.update(runs=["fold0"], seconds=0.5, path="postprocess.json")
+    assert f"bounding boxes where the table says yes: CV {kept['cv_dice']['boxed']['mean']:.4f}" in table(kept)
 
 
 def test_a_class_with_no_evidence_follows_the_pooled_gain():

@@ -103,6 +103,24 @@ def test_the_forced_label_is_kept_only_where_it_raises_the_score():
     assert result["force_label"] is None  # the tuned rule keeps the masks already: nothing left to force
 
 
+def test_a_forced_label_of_the_config_outlives_the_tuning_unsearched():
+    """predict.force_label=0.4 with force_label_search off: the tuned rule (postprocess.json, which
+    predict applies over the config) keeps 0.4 and reports the Dice with it, postprocess's by hand.
+    Would catch: the tuned rule's force_label always null unless searched, which silently dropped
+    the user's option at prediction."""
+    probs8 = np.zeros((6, 4, 8, 8), np.uint8)
+    probs8[:, 0, :4] = 180
+    truth = np.zeros(probs8.shape, bool)
+    truth[:3, 0, :4] = True  # half the images have class 0; the others are empty
+    rule = {"threshold": ALL, "min_area": NONE, "gate": NONE, "gate_on": ["top_k"] * 4, "force_label": 0.4,
+            "force_label_search": False}
+    result = search_rule(probs8, truth, rule)
+    assert result["force_label"] == 0.4
+    masks = postprocess(probs8, result["threshold"], result["min_area"], result["gate"], gate_on=result["gate_on"],
+                        force_label=0.4)
+    assert result["cv_dice"]["forced"]["mean"] == pytest.approx(np.asarray(dice(masks, truth)).mean())
+
+
 def test_a_rule_file_with_an_unknown_gate_score_is_one_line(tmp_path):
     """postprocess.json with gate_on naming no gate score: refused naming the file."""
     from cloudseg.postprocess import read_rule_file
