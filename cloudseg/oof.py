@@ -11,6 +11,7 @@ classification head (model.cls_head) also `class_probs` (N×4 uint8, the head's 
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,8 @@ def read_oof(path: str | Path, with_classes: bool = False):
         with np.load(path) as data:
             ids, probs, packed = data["image_ids"], data["probs"], data["truth"]
             classes = data["class_probs"] if "class_probs" in data.files else None
-    except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"{path}: not a cloudseg OOF file ({error})") from None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:  # empty, cut short, damaged
+        raise ValueError(f"{path}: not a cloudseg OOF file ({error or type(error).__name__})") from None
     truth = np.unpackbits(packed, axis=-1, count=probs.shape[-1]).astype(bool)
     return (ids, probs, truth, classes) if with_classes else (ids, probs, truth)
 

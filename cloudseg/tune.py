@@ -6,6 +6,7 @@ Data path: probabilities at 350×525 (oof.npz) → **the rule of the post-proces
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +40,7 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     started = time.perf_counter()
     result = search_rule(probs, truth, current, classes8=classes)
     result.update(runs=[str(r) for r in run_dirs], seconds=time.perf_counter() - started)
-    out = Path(out) if out else Path(run_dirs[0]).parent / RULE_FILE
+    out = Path(out) if out else Path(os.path.abspath(run_dirs[0])).parent / RULE_FILE  # `.`'s parent too, not `.`
     write_rule_file(result, out)
     result["path"] = str(out)
     return result

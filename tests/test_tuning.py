@@ -90,6 +90,22 @@ def test_tune_recovers_a_planted_threshold_and_reports_each_class_s_pooled_share
     assert result["pooled_weight"] == pytest.approx({"Fish": 5 / 11, "Flower": 1.0, "Gravel": 5 / 11, "Sugar": 1.0})
 
 
+def test_tune_run_from_inside_the_first_run_writes_beside_it(tmp_path, monkeypatch, capsys):
+    """`cloudseg tune . ../fold1` from inside fold0: the pooled rule goes beside fold0, as for
+    `cloudseg tune fold0 fold1`, and fold0's own postprocess.json stays. Would catch the default
+    output taken as `Path(".").parent`, which is "." itself: the run's own rule overwritten."""
+    probs8, truth = planted(12, threshold=0.59)
+    ids = [f"{i}.jpg" for i in range(12)]
+    runs = [fake_run(tmp_path / "cv" / f"fold{k}", ids[6 * k:6 * k + 6], probs8[6 * k:6 * k + 6],
+                     truth[6 * k:6 * k + 6]) for k in (0, 1)]
+    own = runs[0] / "postprocess.json"
+    own.write_text("{}")
+    monkeypatch.chdir(runs[0])
+    assert main(["tune", ".", "../fold1"]) == 0
+    assert own.read_text() == "{}"
+    assert json.loads((tmp_path / "cv" / "postprocess.json").read_text())["images"] == 12
+
+
 def test_untuned_rule_is_part_of_the_grid(tmp_path):
     """A run whose own rule is off the grid is still scored exactly, so it can win where it is best."""
     probs8, truth = planted(12, threshold=0.5)
