@@ -55,13 +55,18 @@ def read_rule_file(path: str | Path) -> dict:
     result.setdefault("top_k", TOP_K)  # files written before the gate existed
     for key, value in RULE_DEFAULTS.items():
         result.setdefault(key, value)
-    if len(result["gate_on"]) != len(LABELS) or any(kind not in GATE_SCORES for kind in result["gate_on"]):
+    if not is_per_class(result["gate_on"]) or any(kind not in GATE_SCORES for kind in result["gate_on"]):
         raise ValueError(f"{path}: gate_on must name one of {', '.join(GATE_SCORES)} per class, got {result['gate_on']!r}")
-    if len(result["box"]) != len(LABELS) or any(not isinstance(value, bool) for value in result["box"]):
+    if not is_per_class(result["box"]) or any(not isinstance(value, bool) for value in result["box"]):
         raise ValueError(f"{path}: box must be true or false per class, got {result['box']!r}")
     if not isinstance(result["top_k"], int) or isinstance(result["top_k"], bool) or result["top_k"] < 1:
         raise ValueError(f"{path}: top_k must be a positive integer, got {result['top_k']!r}")
     return result
+
+
+def is_per_class(value) -> bool:
+    """Whether a rule file's `value` is a list of one entry per class (JSON may hold null or a string there)."""
+    return isinstance(value, list) and len(value) == len(LABELS)
 
 
 def write_rule_file(result: dict, path: str | Path) -> Path:

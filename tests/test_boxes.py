@@ -113,14 +113,19 @@ def test_a_class_with_no_evidence_follows_the_pooled_gain():
 
 def test_rule_files_without_boxes_read_as_before_and_bad_ones_are_one_line(tmp_path):
     """A postprocess.json written before `box` existed reads as no boxes; a box that is not
-    true/false per class is refused naming the file."""
+    true/false per class, or a gate_on that is not a gate score per class (null included), is
+    refused naming the file."""
     path = tmp_path / "postprocess.json"
     rule = {"threshold": ALL, "min_area": NONE, "gate": NONE}
     path.write_text(json.dumps(rule))
     assert read_rule_file(path)["box"] == [False] * 4
-    for bad in ([1, 0, 0, 0], [True, False], "yes"):
+    for bad in ([1, 0, 0, 0], [True, False], "yes", None, 1):  # None and 1: no len(), a TypeError before
         path.write_text(json.dumps({**rule, "box": bad}))
         with pytest.raises(ValueError, match=r"postprocess.json: box must be true or false per class"):
+            read_rule_file(path)
+    for bad in (None, "top_k", ["top_k"] * 3):
+        path.write_text(json.dumps({**rule, "gate_on": bad}))
+        with pytest.raises(ValueError, match=r"postprocess.json: gate_on must name one of"):
             read_rule_file(path)
 
 
