@@ -30,6 +30,9 @@ def is_empty(rle) -> bool:
     return not str(rle).strip()
 
 
+MAX_VALUE = 2**62  # far above any image's pixels; two of them add up without overflowing int64
+
+
 def parse(rle) -> tuple[np.ndarray, np.ndarray]:
     """Validated 0-based run starts and run lengths (int64); ValueError says what is wrong."""
     if is_empty(rle):
@@ -41,6 +44,8 @@ def parse(rle) -> tuple[np.ndarray, np.ndarray]:
         values = np.array(tokens, dtype=np.int64)
     except (ValueError, OverflowError):
         raise ValueError(f"RLE has a non-integer value {_first_non_integer(tokens)!r}") from None
+    if (bad := _first_true(values > MAX_VALUE)) is not None:  # start + length must not wrap around int64
+        raise ValueError(f"RLE value {values[bad]} is larger than any image's pixel count")
     starts, lengths = values[0::2] - 1, values[1::2]
     if (bad := _first_true(starts < 0)) is not None:
         raise ValueError(f"RLE pair {bad + 1} has start {starts[bad] + 1}; starts count from 1")

@@ -96,6 +96,16 @@ def test_malformed_rle_raises_value_error_saying_what(bad, message):
         rle.decode(bad, (3, 4))
 
 
+@pytest.mark.parametrize("bad", ["1 1 9223372036854775701 7252", "2 9223372036854775807"])
+def test_values_whose_run_end_would_wrap_around_are_refused(bad):
+    """A start or length near int64's largest value: start + length wraps negative, which passed
+    the order and end-of-image checks, and decode's np.repeat then crashed the process (a
+    segmentation fault in `cloudseg check` on one train.csv cell). Would catch any check made
+    after the sum rather than on the values."""
+    with pytest.raises(ValueError, match="larger than any image's pixel count"):
+        rle.runs(bad, (3, 4))
+
+
 def test_adjacent_runs_are_valid():
     np.testing.assert_array_equal(rle.decode("1 2 3 2", (2, 2)), np.ones((2, 2)))
 
