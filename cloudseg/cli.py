@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from cloudseg.task import IMAGE_SHAPE, LABELS
+from cloudseg.task import IMAGE_SHAPE, LABELS, TRAIN_CSV
 
 # A path of the wrong kind (a file where a folder goes, or the other way) is the user's too: one line naming it.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, KeyError,
@@ -251,6 +251,8 @@ def run_download(args) -> None:
 def run_synth(args) -> None:
     from cloudseg.synth import synthesize
 
+    if (Path(args.out) / TRAIN_CSV).exists():  # another dataset, perhaps Kaggle's: never written over
+        raise FileExistsError(f"{Path(args.out) / TRAIN_CSV}: --out already holds a dataset; name a new folder")
     synthesize(args.out, args.n_train, args.n_test, args.height, args.width, args.seed)
     print(f"wrote {args.n_train} train and {args.n_test} test images ({args.height}x{args.width}) to {args.out}")
 

@@ -31,12 +31,15 @@ from cloudseg.task import (
 )
 
 TEST_SOLUTION_CSV = "test_solution.csv"
+MIN_SIDE = 16
 BAND_PROBABILITY = 0.3
 CLOUD_BRIGHTNESS = {"Fish": 110, "Flower": 80, "Gravel": 140, "Sugar": 60}
 
 
 def synthesize(out_dir, n_train=64, n_test=16, height=IMAGE_SHAPE[0], width=IMAGE_SHAPE[1], seed=0) -> Path:
     """Write train/test images, train.csv, sample_submission.csv and test_solution.csv."""
+    if min(height, width) < MIN_SIDE:  # the bands and boxes of `sample` need room (smaller ones never end)
+        raise ValueError(f"synthetic images need at least {MIN_SIDE} pixels a side, got {height}x{width}")
     rng = np.random.default_rng(seed)
     return write_dataset(out_dir, lambda: sample(rng, height, width), n_train, n_test)
 
@@ -46,6 +49,7 @@ def write_dataset(out_dir, draw, n_train: int, n_test: int, jpeg_quality: int = 
     for the train images, then the test images: JPEGs, train.csv, sample_submission.csv, and
     test_solution.csv with the test masks at 350×525. Also benchmarks/kaggle_like.py's writer."""
     out_dir = Path(out_dir)
+    (out_dir / TRAIN_CSV).unlink(missing_ok=True)  # a dataset written over is unfinished until its new train.csv
     train_ids = [f"{i:07x}.jpg" for i in range(n_train)]
     test_ids = [f"{i:07x}.jpg" for i in range(n_train, n_train + n_test)]
     train_rows, solution_rows = [], []
@@ -53,8 +57,9 @@ def write_dataset(out_dir, draw, n_train: int, n_test: int, jpeg_quality: int = 
         (out_dir / split).mkdir(parents=True, exist_ok=True)
         for image_id in tqdm(ids, desc=f"synth {split}", leave=False, disable=None):
             image, masks = draw()
-            cv2.imwrite(str(out_dir / split / image_id), cv2.cvtColor(image, cv2.COLOR_RGB2BGR),
-                        [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality])
+            path = out_dir / split / image_id
+            if not cv2.imwrite(str(path), cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality]):
+                raise OSError(f"{path}: OpenCV could not write the image (is the disk full, or a folder in the way?)")
             if split == TEST_IMAGES:
                 masks = resize_masks(masks)  # test truth is scored at submission size
             rows += [(image_label(image_id, label), rle.encode(m)) for label, m in zip(LABELS, masks)]

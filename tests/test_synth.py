@@ -1,5 +1,6 @@
 import numpy as np
 import pandas as pd
+import pytest
 
 from cloudseg import rle
 from cloudseg.cli import main
@@ -65,3 +66,26 @@ def test_cli_folds_reports_balance(tiny_data, tmp_path, capsys):
     data = shutil.copytree(tiny_data, tmp_path / "d")
     assert main(["folds", "--data-dir", str(data), "--n-folds", "3"]) == 0
     assert (data / "folds.csv").is_file() and "Gravel" in capsys.readouterr().out
+
+
+def test_synth_never_writes_over_a_dataset_and_an_unwritten_image_leaves_it_unfinished(tmp_path, capsys):
+    """`cloudseg synth --out` a folder with a train.csv: refused in one line, nothing changed. A
+    library call over an old dataset whose first image cannot be written (a folder in its way):
+    an OSError naming the image, and no train.csv left (the old one is gone before any image, so
+    the folder no longer looks finished). Sides under 16 pixels refused (they looped forever).
+    Would catch: synth overwriting another dataset's images under its old labels, or
+    cv2.imwrite's failure ignored (exit 0 and a train.csv naming an image that is not there)."""
+    data = synthesize(tmp_path / "d", 3, 1, 32, 48, seed=1)
+    before = {path: path.read_bytes() for path in data.rglob("*") if path.is_file()}
+    assert main(["synth", "--out", str(data), "--n-train", "3", "--n-test", "1", "--height", "32", "--width", "48",
+                 "--seed", "2"]) == 2  # a user error
+    assert "train.csv: --out already holds a dataset" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in data.rglob("*") if path.is_file()} == before
+    first = data / "train_images" / "0000000.jpg"
+    first.unlink()
+    first.mkdir()
+    with pytest.raises(OSError, match="0000000.jpg: OpenCV could not write the image"):
+        synthesize(data, 3, 1, 32, 48, seed=2)
+    assert not (data / "train.csv").exists()
+    with pytest.raises(ValueError, match="at least 16 pixels a side, got 4x48"):
+        synthesize(tmp_path / "small", 3, 1, 4, 48)
