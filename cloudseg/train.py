@@ -154,7 +154,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
     # before the probes, so that they measure the same algorithms
     speed_switches(device, config.train.deterministic, config.train.speedups.cudnn_search)
-    model = training_model(config, train_set.image_size, device)
+    model = training_model(config, train_set.image_size, device, pretrained=not resume)  # resumed: last.pt's weights
     dtype = autocast_dtype(config.train.precision, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
@@ -182,10 +182,11 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     return run, start_epoch, progress
 
 
-def training_model(config: Config, image_size, device: torch.device) -> CloudNet:
+def training_model(config: Config, image_size, device: torch.device, pretrained: bool = True) -> CloudNet:
     """The model on `device` with the memory switches of `train.*`; `checkpointing` and
-    `micro_batch` are resolved into `config` (probed on a GPU where they are auto)."""
-    model = build_model(config.model)
+    `micro_batch` are resolved into `config` (probed on a GPU where they are auto). Without
+    `pretrained`, no encoder weights are downloaded (a resume loads its own, offline too)."""
+    model = build_model(config.model, pretrained)
     require_deterministic_kernels(model, image_size, device, config.train.deterministic)  # before any probe's backward
     model = model.to(device)
     if config.model.norm == "frozen" and config.model.encoder_weights is None:

@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
+from cloudseg import model as model_module
 from cloudseg import train as train_module
-from cloudseg.checkpoint import load_checkpoint
+from cloudseg.checkpoint import load_checkpoint, save_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import ModelConfig, from_dict, load_config
 from cloudseg.model import build_model, train_mode
@@ -95,6 +96,25 @@ def test_resumed_run_ends_with_the_same_parameters_as_a_straight_run(data, tmp_p
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     assert pd.read_csv(interrupted / "metrics.csv")["epoch"].tolist() == [1, 2]
+
+
+def test_a_resume_downloads_no_encoder_weights(data, tmp_path, monkeypatch):
+    """A run trained with model.encoder_weights=imagenet, resumed where no download works: it
+    continues from last.pt's weights. Would catch a resume that builds the model with the
+    download (which last.pt's weights then replace): offline it failed, and its advice,
+    model.encoder_weights=null, is refused on a resume."""
+    run = tmp_path / "run"
+    train(tiny_config(data, "train.epochs=1"), run)
+    saved = load_checkpoint(run / "last.pt")
+    saved["config"]["model"]["encoder_weights"] = "imagenet"  # as a run trained online
+    save_checkpoint(run / "last.pt", saved)
+
+    def offline(config):
+        raise RuntimeError(f"could not get the {config.encoder_weights!r} weights: no internet")
+
+    monkeypatch.setattr(model_module, "_download_weights", offline)
+    assert main(["train", "--resume", str(run), "train.epochs=2"]) == 0
+    assert load_checkpoint(run / "last.pt")["epoch"] == 2
 
 
 def test_a_crash_between_an_epoch_s_checkpoints_leaves_best_pt_as_metrics_csv_says(data, tmp_path, monkeypatch):
