@@ -128,16 +128,19 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 
 def probe_step(model: CloudNet, micro_batch: int, image_size, device, dtype) -> None:
     """One forward and backward of the engine on a random batch (no optimizer step), leaving the
-    model as it found it: gradients cleared, BatchNorm statistics restored. Any device."""
+    model as it found it: gradients cleared, BatchNorm statistics restored; and the random
+    generators too (the CPU's, the GPU's), which a resume on another number of GPUs compares with
+    the seeded ones. Any device."""
     step = StepContext(model, None, torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype)), device, dtype)
     saved_statistics = norm_statistics(model)
-    batch = {"image": torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device),
-             "mask": torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)}
-    try:
-        accumulate(step, [batch], micro_batch)
-    finally:
-        model.zero_grad(set_to_none=True)
-        restore_norm_statistics(model, saved_statistics)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        batch = {"image": torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device),
+                 "mask": torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)}
+        try:
+            accumulate(step, [batch], micro_batch)
+        finally:
+            model.zero_grad(set_to_none=True)
+            restore_norm_statistics(model, saved_statistics)
 
 
 # ---------------------------------------------------------------------------------- CUDA: measured

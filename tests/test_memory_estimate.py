@@ -123,3 +123,19 @@ def test_bf16_halves_the_activations_but_not_the_fp32_loss():
         return peaks[1] - peaks[0]
 
     assert 0.5 < per_image(torch.bfloat16) / per_image(None) < 0.65
+
+
+def test_a_probe_step_leaves_the_random_generator_as_it_found_it():
+    """On the CPU (the CUDA branch forks that device's generator the same way): after a probe
+    step the generator draws what it would have drawn without it. Would catch probes that move
+    the stream, which on a GPU made the saved random states differ from the seeded ones, so a
+    resume on another number of GPUs was always refused (blamed on dropout)."""
+    from cloudseg.memory import probe_step
+
+    config = load_config("configs/demo.yaml", ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]"])
+    model = build_model(config.model, pretrained=False).train()
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    probe_step(model, 1, (32, 48), torch.device("cpu"), None)
+    assert torch.equal(torch.rand(4), expected)
