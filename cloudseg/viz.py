@@ -339,10 +339,13 @@ def written_masks(scene_path: Path, out_dir: Path) -> np.ndarray:
     if is_geotiff(scene_path):
         with geo_module("rasterio").open(out_dir / f"{scene_path.stem}.tif") as maps:
             masks = maps.read(list(range(len(LABELS) + 1, 2 * len(LABELS) + 1)))
-    else:
-        bits = cv2.imread(str(out_dir / f"{scene_path.stem}_masks.png"), cv2.IMREAD_UNCHANGED)
-        masks = np.stack([(bits >> k) & 1 for k in range(len(LABELS))])
-    return np.where(masks == NODATA, 0, masks).astype(np.uint8)
+        return np.where(masks == NODATA, 0, masks).astype(np.uint8)
+    path = out_dir / f"{scene_path.stem}_masks.png"
+    bits = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    if bits is None:
+        raise FileNotFoundError(f"{path}: no masks of cloudseg segment to draw (map the scene into {out_dir} first)")
+    valid = bits != NODATA  # NODATA has every bit set: read as bits, it would be all four classes
+    return np.stack([((bits >> k) & 1) * valid for k in range(len(LABELS))]).astype(np.uint8)
 
 
 def training_image_shape(run_dir: str | Path) -> tuple[int, int]:

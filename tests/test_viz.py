@@ -82,3 +82,20 @@ def test_training_writes_curves_and_tensorboard_events(tiny_data, tmp_path):
 
     scalars = EventAccumulator(str(tmp_path / "run" / "tb")).Reload().Tags()["scalars"]
     assert {"train_loss", "valid_loss", "dice", "dice_Fish", "lr"} <= set(scalars)
+
+
+def test_the_masks_segment_wrote_as_class_bits_read_back_with_no_data_as_no_class(tmp_path):
+    """NAME_masks.png of class bits with NODATA (255) pixels: read back per class by hand, no-data
+    in none; a missing PNG is one line naming it. Would catch 255 read as bits (every class drawn
+    over the no-data) and a None image shifted (a TypeError naming nothing)."""
+    from cloudseg.viz import written_masks
+
+    out = tmp_path / "maps"
+    out.mkdir()
+    cv2.imwrite(str(out / "scene_masks.png"), np.array([[1, 255, 8], [0, 3, 255]], np.uint8))
+    masks = written_masks(tmp_path / "scene.jpg", out)
+    expected = np.zeros((4, 2, 3), np.uint8)
+    expected[0, 0, 0] = expected[3, 0, 2] = expected[0, 1, 1] = expected[1, 1, 1] = 1
+    np.testing.assert_array_equal(masks, expected)
+    with pytest.raises(FileNotFoundError, match="other_masks.png: no masks of cloudseg segment"):
+        written_masks(tmp_path / "other.png", out)
