@@ -13,9 +13,10 @@ import re
 import shutil
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
-from cloudseg.task import COMPETITION
+from cloudseg.task import COMPETITION, TRAIN_CSV
 
 RULES_URL = f"https://www.kaggle.com/competitions/{COMPETITION}/rules"
 CREDENTIALS = ("check KAGGLE_API_TOKEN or ~/.kaggle/access_token (a new token: kaggle.com > Settings > API), "
@@ -86,18 +87,20 @@ def short_reason(error: Exception) -> str:
 
 
 def unpack(archive: Path, out: Path) -> None:
-    """Unzip `archive` into a hidden folder beside `out`, then move each entry into `out`: an
-    interrupted unpacking leaves the archive for the next run, not half the images."""
+    """Unzip `archive` into a hidden folder beside `out`, then move each entry into `out`, train.csv
+    last (a folder with one is finished data; an older one goes first): an interrupted unpacking
+    leaves the archive for the next run, not half the images under a train.csv."""
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-unpacking-") as unpacked:
             with zipfile.ZipFile(archive) as bundle:
                 bundle.extractall(unpacked)
             out.mkdir(exist_ok=True)
-            for entry in Path(unpacked).iterdir():
+            (out / TRAIN_CSV).unlink(missing_ok=True)
+            for entry in sorted(Path(unpacked).iterdir(), key=lambda entry: entry.name == TRAIN_CSV):
                 target = out / entry.name
                 if target.is_dir():
                     shutil.rmtree(target)
                 os.replace(entry, target)
-    except zipfile.BadZipFile as error:
+    except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # cut short, or its compressed data damaged
         raise RuntimeError(f"{archive} is not a whole zip ({error}): delete it and download again") from error

@@ -266,3 +266,43 @@ def test_unpack_of_a_cut_archive_is_one_line_and_writes_nothing(tmp_path):
         unpack(archive, tmp_path / "kaggle")
     assert not (tmp_path / "kaggle").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle.zip", "whole.zip"]
+
+
+def test_unpack_of_damaged_compressed_data_is_one_line(tmp_path):
+    """A deflated archive with bytes changed inside its compressed data (its directory intact):
+    each of 10 such damages one line, the archive named. Would catch zlib's own error (invalid
+    distance, bit length repeat) escaping as a traceback."""
+    whole = tmp_path / "whole.zip"
+    with zipfile.ZipFile(whole, "w", zipfile.ZIP_DEFLATED) as bundle:
+        bundle.writestr("train.csv", "Image_Label,EncodedPixels\n" + "".join(f"{i}.jpg_Fish,{i} 1\n" for i in range(20000)))
+    data, archive = whole.read_bytes(), tmp_path / "bundle.zip"
+    for position in range(100, 1100, 100):
+        damaged = bytearray(data)
+        damaged[position:position + 8] = bytes(8)
+        archive.write_bytes(bytes(damaged))
+        with pytest.raises(RuntimeError, match=f"^{re.escape(str(archive))} is not a whole zip .*: delete it"):
+            unpack(archive, tmp_path / "kaggle")
+
+
+def test_an_unpacking_cut_short_leaves_no_train_csv_over_part_of_the_data(tmp_path, monkeypatch):
+    """Unpacking over an older download, stopped after its first entry is moved: no train.csv in the
+    folder (make train takes a folder with one for the data). Would catch the old train.csv kept
+    until replaced, or the new one moved before the images."""
+    from cloudseg import download
+
+    archive = write_zip(tmp_path / "bundle.zip", {"train.csv": b"a,b\n", "train_images/1.jpg": b"new",
+                                                  "test_images/2.jpg": b"new"})
+    out = tmp_path / "kaggle"
+    unpack(archive, out)
+    moved, real_replace = [], os.replace
+
+    def stopped_after_one(source, target):
+        if moved:
+            raise KeyboardInterrupt
+        moved.append(target)
+        real_replace(source, target)
+
+    monkeypatch.setattr(download.os, "replace", stopped_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        unpack(archive, out)
+    assert moved and not (out / "train.csv").exists()
