@@ -193,7 +193,10 @@ def _checked_jpeg(path: Path) -> tuple[np.ndarray, JpegFrame | None]:
     """The file's bytes and frame header, after the checks that need no decoding."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: image not found")
-    data = np.fromfile(path, dtype=np.uint8)
+    try:
+        data = np.fromfile(path, dtype=np.uint8)
+    except OSError as error:  # unreadable (permissions, an I/O error): a problem of this file, as a bad one is
+        raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
     if data.size == 0:
         raise ValueError(f"{path}: empty file")
     if data[:2].tobytes() != b"\xff\xd8":

@@ -3,6 +3,7 @@ with one line naming the file or row (exit 2), and `data.on_bad_sample=skip` tra
 
 import re
 import shutil
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -115,7 +116,9 @@ SKIPPABLE = [truncated, zero_byte, not_a_jpeg, grayscale, cmyk, corrupt, wrong_s
              set_rle("1 2 3", "odd number of values"), set_rle("1 x", "non-integer value 'x'"),
              set_rle("0 5", "starts count from 1"), set_rle("1 0", "lengths are at least 1"),
              set_rle("10 2 1 2", "unsorted or overlapping"), set_rle("1 5 3 2", "unsorted or overlapping"),
-             set_rle("6000 200", "ends past the last pixel 6144"), duplicate_row, unknown_label]
+             set_rle("6000 200", "ends past the last pixel 6144"),
+             set_rle("1 1 9223372036854775701 7252", "larger than any image"),  # it wrapped around: a segfault
+             duplicate_row, unknown_label]
 
 
 def image_ids(data):
@@ -151,6 +154,26 @@ def test_check_reports_it_and_train_stops_with_one_line_naming_it(data, tmp_path
     err = capsys.readouterr().err.strip()
     assert err.startswith("cloudseg: error: ") and len(err.splitlines()) == 1, err
     assert named in err and message in err, err
+
+
+def test_an_image_the_system_will_not_read_is_a_problem_naming_it(data, monkeypatch):
+    """A JPEG whose read fails in the operating system (permissions, an I/O error; simulated, as
+    root reads every file): a ValueError naming it, which `cloudseg check` reports and skip mode
+    skips like any bad image. Would catch the OSError escaping (check ended in a traceback and
+    lost every other problem it had found)."""
+    from cloudseg.data import read_jpeg_bytes
+
+    path = image_path(data, image_ids(data)[0])
+    real = np.fromfile
+
+    def refused(file, *args, **kwargs):
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(np, "fromfile", refused)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: cannot be read \(Permission denied\)"):
+        read_jpeg_bytes(path)
 
 
 def test_a_bad_image_in_a_loader_worker_is_still_one_line(data, tmp_path, capsys):
@@ -216,7 +239,7 @@ def test_skip_mode_trains_around_every_case_and_lists_them(every_case, tmp_path,
     # Bad rows are left out when train.csv is read (no epoch); bad images, and runs past the
     # image's end (only the image size tells), when an epoch reaches them.
     row_cases = skipped["problem"].str.contains(r"train.csv(?:, line|: duplicate)")
-    assert row_cases.sum() == 8
+    assert row_cases.sum() == 9  # set_rle's but the run past the image's end, duplicate_row, unknown_label
     assert (skipped.loc[row_cases, "epoch"] == "").all() and (skipped.loc[~row_cases, "epoch"] == "1").all()
     metrics = pd.read_csv(run / "metrics.csv")
     assert metrics["skipped_samples"].tolist() == [(~row_cases).sum()]
