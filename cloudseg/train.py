@@ -163,7 +163,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
     start_epoch, history, progress, saved = 0, [], None, None
     if resume:
-        saved = load_checkpoint(run_dir / "last.pt")
+        saved = resumable(load_checkpoint(run_dir / "last.pt"), run_dir / "last.pt", config.train.epochs)
         restore_rng_states(saved["rng"], device, distributed.rank(), distributed.world_size(), seeded_cuda,
                            str(run_dir / "last.pt"))
         start_epoch, history, progress = restore(saved, run_dir / "last.pt", model=model, optimizer=optimizer,
@@ -386,6 +386,22 @@ def checkpoint_state(run: Run, epoch: int, progress: Progress | None, rng: dict)
 def evaluated(run: Run) -> CloudNet:
     """The model that validation, best.pt and out-of-fold prediction see: the average with train.ema."""
     return run.model if run.ema is None else run.ema.module
+
+
+RESUME_KEYS = ("optimizer", "scheduler", "scaler", "rng", "metrics")  # beside checkpoint.REQUIRED_KEYS
+
+
+def resumable(state: dict, path: Path, epochs: int) -> dict:
+    """`state` (last.pt's) if a run can go on from it to `epochs` (train.epochs), else one line
+    naming `path`: an epochs/epochN.pt (train.swa's) holds no optimizer or random states, and fewer
+    epochs than done would rewrite config.yaml for a run that trains nothing."""
+    missing = [key for key in RESUME_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"{path}: not a checkpoint a run can go on from (no {', '.join(missing)}): "
+                         "resume from the run's own last.pt")
+    if state["epoch"] > epochs:
+        raise ValueError(f"{path}: the run has done {state['epoch']} epochs; train.epochs={epochs} asks for fewer")
+    return state
 
 
 def restore(state: dict, path: Path, **parts) -> tuple[int, list[dict], Progress | None]:

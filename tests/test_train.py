@@ -157,7 +157,9 @@ def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_chang
     (the optimizer's and scheduler's states loaded over them: the new value in config.yaml, the
     old one used), another fold validated on images the run trained on, a model override ending
     in load_state_dict's many lines, config.yaml left saying 2 epochs after a resume to 3, or a
-    -c or --out given with --resume and silently ignored; or precision saved as auto (another GPU
+    -c or --out given with --resume and silently ignored, fewer epochs than done taken (config.yaml
+    rewritten for a run that trains nothing), a weights-only checkpoint copied over last.pt failing
+    with KeyError 'rng' (naming nothing); or precision saved as auto (another GPU
     resolves it otherwise: an fp16 run resumed in bf16, or the reverse, which ended in GradScaler's
     error naming nothing)."""
     run = tmp_path / "run"
@@ -174,6 +176,17 @@ def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_chang
     for ignored in (["-c", "configs/demo.yaml"], ["--out", str(tmp_path / "elsewhere")]):
         assert main(["train", "--resume", str(run), *ignored]) == 2
         assert "leave out -c and --out" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "train.epochs=1"]) == 2  # fewer than done: config.yaml kept
+    assert capsys.readouterr().err.strip() == (f"cloudseg: error: {run}/last.pt: the run has done 2 epochs; "
+                                               "train.epochs=1 asks for fewer")
+    assert load_config(run / "config.yaml").train.epochs == 2
+    shutil.copy(run / "last.pt", tmp_path / "last.pt")
+    weights_only = {key: value for key, value in load_checkpoint(run / "last.pt").items()
+                    if key not in ("optimizer", "rng")}  # as an epochs/epochN.pt of train.swa holds
+    save_checkpoint(run / "last.pt", weights_only)
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "last.pt: not a checkpoint a run can go on from (no optimizer, rng)" in capsys.readouterr().err
+    (tmp_path / "last.pt").replace(run / "last.pt")
     assert main(["train", "--resume", str(run), "train.lr=3e-3", "train.epochs=3"]) == 0  # lr as it was: no change
     assert load_config(run / "config.yaml").train.epochs == 3
     assert pd.read_csv(run / "metrics.csv")["epoch"].tolist() == [1, 2, 3]
