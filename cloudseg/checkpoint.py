@@ -33,6 +33,7 @@ import collections
 import copy
 import pickle
 import random
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,8 @@ def torch_load(path: str | Path, *, weights_only: bool):
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as error:
-        if weights_only and isinstance(error, pickle.UnpicklingError):  # an object it will not build
+        # an object it will not build, in a torch.save file (a web page or random bytes fail to unpickle too)
+        if weights_only and isinstance(error, pickle.UnpicklingError) and zipfile.is_zipfile(path):
             raise UnsafeCheckpoint(refusal(path)) from None
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"{path}: not a readable checkpoint ({type(error).__name__}: {first_line})") from None

@@ -183,3 +183,18 @@ def test_every_command_refuses_a_planted_checkpoint_without_running_it(tmp_path,
     if how == "torch.save":
         assert "posix.system" in error
     assert not marker.exists()
+
+
+def test_a_file_that_is_no_checkpoint_is_called_unreadable_not_dangerous(tmp_path):
+    """A web page saved as best.pt (a failed download) and random bytes: 'not a readable checkpoint',
+    not the refusal of code (which would send the user to convert-checkpoint --trust). Would
+    catch every unpickling error of weights_only taken for an object it refuses to build."""
+    from cloudseg.checkpoint import UnsafeCheckpoint
+
+    for name, content in (("page.pt", b"<!DOCTYPE html><html><body>Not Found</body></html>"),
+                          ("noise.pt", bytes(range(256)) * 4)):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"{name}: not a readable checkpoint") as raised:
+            load_checkpoint(path)
+        assert not isinstance(raised.value, UnsafeCheckpoint)
