@@ -6,6 +6,7 @@ Data path: probabilities at 350×525 (oof.npz) → **the rule of the post-proces
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RUL
                                   write_rule_file)
 from cloudseg.task import LABELS
 from cloudseg.units import human_duration
+
+log = logging.getLogger("cloudseg")
 
 # The other classes' say in a class's rule, counted in images: a class with n images with it
 # and at least n without picks the rule that maximizes (n·own Dice + PRIOR_IMAGES·pooled Dice)
@@ -219,8 +222,14 @@ def pool(run_dirs: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     ids = np.concatenate([p[0] for p in parts])
     unique, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
-        raise ValueError(f"image {unique[counts > 1][0]} is out-of-fold in more than one run; pool runs of different folds")
-    classes = None if any(p[3] is None for p in parts) else np.concatenate([p[3] for p in parts])
+        shared = unique[counts > 1][0]
+        holders = [str(run) for run, part in zip(run_dirs, parts) if shared in part[0]]
+        raise ValueError(f"image {shared} is out-of-fold in more than one run ({', '.join(holders)}); "
+                         "pool runs of different folds")
+    headless = [str(run) for run, part in zip(run_dirs, parts) if part[3] is None]
+    if headless and len(headless) < len(parts):
+        log.warning("the head's probabilities are left out of the tuning: %s has none", ", ".join(headless))
+    classes = None if headless else np.concatenate([p[3] for p in parts])
     return ids, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]), classes
 
 

@@ -2,6 +2,8 @@
 
 import copy
 import json
+import logging
+import re
 import shutil
 
 import cv2
@@ -216,10 +218,25 @@ def test_ties_go_to_the_rule_that_removes_least():
 
 
 def test_runs_sharing_an_image_cannot_be_pooled(tmp_path):
+    """The error names the image and both runs. Would catch an error that leaves the user to find them."""
     probs8, truth = planted(2, threshold=0.5)
     runs = [fake_run(tmp_path / f"r{i}", ["a.jpg", "b.jpg"], probs8, truth) for i in range(2)]
-    with pytest.raises(ValueError, match="out-of-fold in more than one run"):
+    with pytest.raises(ValueError, match=rf"image a.jpg is out-of-fold in more than one run "
+                                         rf"\({re.escape(str(runs[0]))}, {re.escape(str(runs[1]))}\)"):
         tune(runs)
+
+
+def test_runs_of_which_only_some_have_a_head_are_pooled_without_it_saying_which(tmp_path, caplog):
+    """Two runs, the first with the head's probabilities: pooled without them, and a warning names
+    the run that has none. Would catch the head dropped in silence (a gate on the head then says
+    the model has no head, naming no run)."""
+    probs8, truth = planted(4, threshold=0.5)
+    with_head = fake_run(tmp_path / "r0", ["a.jpg", "b.jpg"], probs8[:2], truth[:2])
+    write_oof(with_head / "oof.npz", ["a.jpg", "b.jpg"], probs8[:2], truth[:2], np.full((2, 4), 200, np.uint8))
+    without = fake_run(tmp_path / "r1", ["c.jpg", "d.jpg"], probs8[2:], truth[2:])
+    with caplog.at_level(logging.WARNING, logger="cloudseg"):
+        tune([with_head, without], tmp_path / "p.json")
+    assert f"the head's probabilities are left out of the tuning: {without} has none" in caplog.text
 
 
 def test_oof_files_round_trip(tmp_path):
