@@ -294,8 +294,7 @@ def from_dict(raw: dict, source: str = "config") -> Config:
 # optimizer's and scheduler's states (which a resume loads over the config's lr, weight decay and
 # schedule). A resume that changes one is refused: it would be ignored, or break the run.
 FIXED_ON_RESUME = ("seed", "data.fold", "data.n_folds", "data.image_size", "model", "train.effective_batch",
-                   "train.lr", "train.weight_decay", "train.schedule", "train.warmup_steps", "train.ema",
-                   "train.precision")  # saved resolved (auto: what this device took), as checkpointing is
+                   "train.lr", "train.weight_decay", "train.schedule", "train.warmup_steps", "train.ema")
 
 
 def resumed_config(saved: dict, overrides: list[str], source: str) -> Config:

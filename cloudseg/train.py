@@ -147,7 +147,6 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     """Build the run (from last.pt when resuming); returns it, the epoch to run and the
     progress within that epoch (None at an epoch's start)."""
     device = distributed.start(resolve_device(config.train.device))
-    config.train.precision = resolve_precision(config.train.precision, device)  # saved resolved: a resume keeps it
     seed_everything(config.seed)
     seeded_cuda = cuda_rng_state(device)  # where a resume on another number of GPUs may start from
     train_set, valid_set = datasets(config, device)

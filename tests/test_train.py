@@ -159,16 +159,12 @@ def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_chang
     in load_state_dict's many lines, config.yaml left saying 2 epochs after a resume to 3, or a
     -c or --out given with --resume and silently ignored, fewer epochs than done taken (config.yaml
     rewritten for a run that trains nothing), a weights-only checkpoint copied over last.pt failing
-    with KeyError 'rng' (naming nothing); or precision saved as auto (another GPU
-    resolves it otherwise: an fp16 run resumed in bf16, or the reverse, which ended in GradScaler's
-    error naming nothing)."""
+    with KeyError 'rng' (naming nothing)."""
     run = tmp_path / "run"
-    train(tiny_config(data, "train.precision=auto"), run)
-    assert load_config(run / "config.yaml").train.precision == "fp32"  # auto, as this device resolved it
+    train(tiny_config(data), run)
     for override, key in (("train.lr=1e-2", "train.lr"), ("train.weight_decay=0.5", "train.weight_decay"),
                           ("data.fold=1", "data.fold"), ("model.encoder=resnet34", "model"),
-                          ("train.effective_batch=8", "train.effective_batch"),
-                          ("train.precision=bf16", "train.precision")):  # saved as resolved: fp32 on the CPU
+                          ("train.effective_batch=8", "train.effective_batch")):
         assert main(["train", "--resume", str(run), override]) == 2
         error = capsys.readouterr().err.strip()
         assert error.startswith(f"cloudseg: error: {run}/last.pt: a resumed run keeps the {key} it trained with (")
