@@ -162,7 +162,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
     start_epoch, history, progress, saved = 0, [], None, None
     if resume:
-        saved = resumable(load_checkpoint(run_dir / "last.pt"), run_dir / "last.pt", config.train.epochs)
+        saved = resumable(load_checkpoint(run_dir / "last.pt"), run_dir / "last.pt", config.train, scaler.is_enabled())
         restore_rng_states(saved["rng"], device, distributed.rank(), distributed.world_size(), seeded_cuda,
                            str(run_dir / "last.pt"))
         start_epoch, history, progress = restore(saved, run_dir / "last.pt", model=model, optimizer=optimizer,
@@ -390,16 +390,23 @@ def evaluated(run: Run) -> CloudNet:
 RESUME_KEYS = ("optimizer", "scheduler", "scaler", "rng", "metrics")  # beside checkpoint.REQUIRED_KEYS
 
 
-def resumable(state: dict, path: Path, epochs: int) -> dict:
-    """`state` (last.pt's) if a run can go on from it to `epochs` (train.epochs), else one line
-    naming `path`: an epochs/epochN.pt (train.swa's) holds no optimizer or random states, and fewer
-    epochs than done would rewrite config.yaml for a run that trains nothing."""
+def resumable(state: dict, path: Path, train_config, scaled: bool) -> dict:
+    """`state` (last.pt's) if a run can go on from it under `train_config` (train.*) with fp16's
+    loss scaling or not (`scaled`), else one line naming `path`: an epochs/epochN.pt (train.swa's)
+    holds no optimizer or random states; fewer epochs than done would rewrite config.yaml for a run
+    that trains nothing; and train.precision=auto on another GPU may take fp16 where the run took
+    bf16 or the reverse (a disabled scaler saves an empty state, so the scale tells)."""
     missing = [key for key in RESUME_KEYS if key not in state]
     if missing:
         raise ValueError(f"{path}: not a checkpoint a run can go on from (no {', '.join(missing)}): "
                          "resume from the run's own last.pt")
-    if state["epoch"] > epochs:
-        raise ValueError(f"{path}: the run has done {state['epoch']} epochs; train.epochs={epochs} asks for fewer")
+    if state["epoch"] > train_config.epochs:
+        raise ValueError(f"{path}: the run has done {state['epoch']} epochs; train.epochs={train_config.epochs} "
+                         "asks for fewer")
+    if bool(state["scaler"]) != scaled:
+        trained, now = ("fp16", "bf16 or fp32") if state["scaler"] else ("bf16 or fp32", "fp16")
+        raise ValueError(f"{path}: the run trained in {trained} and train.precision={train_config.precision} is {now} "
+                         f"here: resume with train.precision={trained.replace(' or ', ' or train.precision=')}")
     return state
 
 

@@ -159,7 +159,8 @@ def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_chang
     in load_state_dict's many lines, config.yaml left saying 2 epochs after a resume to 3, or a
     -c or --out given with --resume and silently ignored, fewer epochs than done taken (config.yaml
     rewritten for a run that trains nothing), a weights-only checkpoint copied over last.pt failing
-    with KeyError 'rng' (naming nothing)."""
+    with KeyError 'rng' (naming nothing), or a precision with fp16's loss scaling where the run had
+    none (GradScaler's error naming nothing; train.precision=auto on another GPU may do it)."""
     run = tmp_path / "run"
     train(tiny_config(data), run)
     for override, key in (("train.lr=1e-2", "train.lr"), ("train.weight_decay=0.5", "train.weight_decay"),
@@ -172,6 +173,10 @@ def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_chang
     for ignored in (["-c", "configs/demo.yaml"], ["--out", str(tmp_path / "elsewhere")]):
         assert main(["train", "--resume", str(run), *ignored]) == 2
         assert "leave out -c and --out" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "train.precision=fp16"]) == 2  # what auto may take on another GPU
+    assert capsys.readouterr().err.strip() == (
+        f"cloudseg: error: {run}/last.pt: the run trained in bf16 or fp32 and train.precision=fp16 is fp16 here: "
+        "resume with train.precision=bf16 or train.precision=fp32")
     assert main(["train", "--resume", str(run), "train.epochs=1"]) == 2  # fewer than done: config.yaml kept
     assert capsys.readouterr().err.strip() == (f"cloudseg: error: {run}/last.pt: the run has done 2 epochs; "
                                                "train.epochs=1 asks for fewer")
