@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--data-dir", required=True, help="Kaggle-layout folder")
     check.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
                        help="expected size (default: the size most images have)")
-    check.add_argument("--workers", type=int, help="reader threads (default: one per CPU core)")
+    check.add_argument("--workers", type=positive_int, help="reader threads (default: one per CPU core)")
     check.set_defaults(run=run_check)
 
     train = commands.add_parser("train", help="train a UNet at native resolution")
@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     memory = commands.add_parser("memory", help="GPU memory of a training step and the micro-batch that fits each card")
     memory.add_argument("-c", "--config", required=True, help="YAML config")
-    memory.add_argument("--micro-batch", type=int, help="micro-batch of the breakdown (default: the config's, or 4)")
+    memory.add_argument("--micro-batch", type=positive_int,
+                        help="micro-batch of the breakdown (default: the config's; for auto, the one training plans)")
     memory.add_argument("--limit-gb", type=float, metavar="GB",
                         help="on a CUDA GPU: cap this process at GB (a card of that size) and run real training steps")
     memory.add_argument("overrides", nargs="*", metavar="key=value")
@@ -246,6 +247,14 @@ def run_download(args) -> None:
 
     download(Path(args.out))
     print(f"the Kaggle data is in {args.out}")
+
+
+def positive_int(text: str) -> int:
+    """argparse's type of a count that must be at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run_synth(args) -> None:
@@ -415,11 +424,11 @@ def run_config(args) -> None:
 
 def run_memory(args) -> None:
     from cloudseg.config import load_config
-    from cloudseg.memory import capped, report
+    from cloudseg.memory import capped, planned_micro_batch, report
     from cloudseg.hardware import resolve_device, speed_switches
 
     config = load_config(args.config, args.overrides)
-    micro_batch = args.micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 4)
+    micro_batch = args.micro_batch or planned_micro_batch(config, 1)  # auto: the one training plans for
     device = resolve_device(config.train.device)
     # as train.start does: the step training runs
     speed_switches(device, config.train.deterministic, config.train.speedups.cudnn_search)

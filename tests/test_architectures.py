@@ -250,3 +250,16 @@ def test_memory_command_names_the_arch(capsys):
     assert out.startswith("fpn-mobilenet_v2 at 128x192")  # not the old fixed "UNet-"
     for mode in ("none", "encoder", "full"):
         assert sum(line.startswith(mode) for line in out.splitlines()) == 2  # breakdown and fits
+
+
+def test_memory_command_plans_the_micro_batch_training_plans_and_refuses_none(capsys):
+    """micro_batch auto with an effective batch of 6: the breakdown at 3, the largest divisor up to
+    4 (what training plans for); --micro-batch -2 refused by argparse. Would catch the report's
+    fixed 4 (no divisor of 6) and a table printed at micro-batch -2."""
+    base = ["memory", "-c", "configs/demo.yaml", "model.arch=fpn", "model.decoder_channels=[128,64]",
+            "data.image_size=[128,192]", "train.device=cpu"]
+    assert main([*base, "train.micro_batch=auto", "train.effective_batch=6"]) == 0
+    assert "breakdown at micro-batch 3 (GiB)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*base, "--micro-batch", "-2"])
+    assert "--micro-batch: must be at least 1, got -2" in capsys.readouterr().err
