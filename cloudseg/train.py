@@ -167,6 +167,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
                            str(run_dir / "last.pt"))
         start_epoch, history, progress = restore(saved, run_dir / "last.pt", model=model, optimizer=optimizer,
                                                  scheduler=scheduler, scaler=scaler)
+        follow_schedule(optimizer, scheduler)
         if distributed.is_main():
             write_config(run_dir, config)  # the overrides of the resume (train.epochs=...) included
     elif distributed.is_main():
@@ -408,6 +409,14 @@ def resumable(state: dict, path: Path, train_config, scaled: bool) -> dict:
         raise ValueError(f"{path}: the run trained in {trained} and train.precision={train_config.precision} is {now} "
                          f"here: resume with train.precision={trained.replace(' or ', ' or train.precision=')}")
     return state
+
+
+def follow_schedule(optimizer, scheduler) -> None:
+    """Each group's learning rate as this run's schedule gives it at the step reached. The
+    optimizer's saved rate is the old schedule's: with train.epochs changed on a resume, the first
+    step would take it (0 at a cosine's end). Unchanged, it is the same float, so a resume stays exact."""
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
 
 
 def restore(state: dict, path: Path, **parts) -> tuple[int, list[dict], Progress | None]:

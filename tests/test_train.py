@@ -193,6 +193,27 @@ def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_chang
     assert pd.read_csv(run / "metrics.csv")["epoch"].tolist() == [1, 2, 3]
 
 
+def test_a_resume_to_more_epochs_steps_at_the_longer_schedule_s_rate(data, tmp_path):
+    """A finished 2-epoch run (cosine, at 0 by its end) resumed with train.epochs=3: its optimizer's
+    rate is the 3-epoch schedule's at the step reached, as a fresh scheduler stepped there says.
+    Would catch the first step of the resume taken at the old schedule's last rate (0)."""
+    from cloudseg.config import resumed_config
+    from cloudseg.train import lr_schedule
+
+    run = tmp_path / "run"
+    train(tiny_config(data), run)
+    saved = load_checkpoint(run / "last.pt")
+    config = resumed_config(saved["config"], ["train.epochs=3"], "last.pt")
+    resumed, _, _ = train_module.start(config, run, resume=True)
+    reference = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=config.train.lr)
+    schedule = lr_schedule(reference, config.train, 3 * saved["step"] // 2)
+    for _ in range(saved["step"]):
+        reference.step()
+        schedule.step()
+    assert schedule.get_last_lr()[0] > 0.1 * config.train.lr  # the longer schedule is far from its end
+    assert resumed.step.optimizer.param_groups[0]["lr"] == pytest.approx(schedule.get_last_lr()[0], rel=1e-12)
+
+
 def test_deterministic_training_runs_with_deterministic_algorithms_and_refuses_no_op(data, tmp_path, monkeypatch):
     """train.deterministic=true on the CPU (the GPU's bit-exact resume is tests/test_gpu.py's).
     Would catch: the switch not reaching speed_switches, and an op of the step that PyTorch has
