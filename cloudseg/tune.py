@@ -78,8 +78,12 @@ def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP
 
 
 def rule_dice(probs8, truth, rule: dict, classes8=None) -> dict:
-    """The mean Dice over these images of the whole `rule` (`apply_rule`): {"mean": ..., label: ...}."""
-    pair = np.asarray(dice(apply_rule(probs8, rule, classes8), truth))
+    """The mean Dice over these images of the whole `rule` (`apply_rule`), as `mean_dice` gives it."""
+    return mean_dice(np.asarray(dice(apply_rule(probs8, rule, classes8), truth)))
+
+
+def mean_dice(pair: np.ndarray) -> dict:
+    """{"mean": ..., label: ...} of (image, class) Dice scores (N×4): overall and per class."""
     return {"mean": float(pair.mean()), **dict(zip(LABELS, pair.mean(0).tolist()))}
 
 
@@ -118,9 +122,9 @@ def search_force_label(probs8, truth, rule: dict, classes8=None, top_k: int = TO
                           for t in thresholds])
     best = int(np.argmax(gains))
     if gains[best] <= 0:
-        return None, {"mean": float(pair.mean()), **dict(zip(LABELS, pair.mean(0).tolist()))}
+        return None, mean_dice(pair)
     pair[empty, chosen] = np.asarray(dice(forced_probs > thresholds[best] * 255, forced_truth))
-    return float(thresholds[best]), {"mean": float(pair.mean()), **dict(zip(LABELS, pair.mean(0).tolist()))}
+    return float(thresholds[best]), mean_dice(pair)
 
 
 class RuleSearch:
