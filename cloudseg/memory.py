@@ -133,7 +133,7 @@ def probe_step(model: CloudNet, micro_batch: int, image_size, device, dtype) -> 
     the seeded ones. Any device."""
     step = StepContext(model, None, torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype)), device, dtype)
     saved_statistics = norm_statistics(model)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with random_states_kept(device):
         batch = {"image": torch.randint(0, 256, (micro_batch, 3, *image_size), dtype=torch.uint8, device=device),
                  "mask": torch.randint(0, 2, (micro_batch, len(LABELS), *image_size), dtype=torch.uint8, device=device)}
         try:
@@ -141,6 +141,12 @@ def probe_step(model: CloudNet, micro_batch: int, image_size, device, dtype) -> 
         finally:
             model.zero_grad(set_to_none=True)
             restore_norm_statistics(model, saved_statistics)
+
+
+def random_states_kept(device: torch.device):
+    """A context whose random draws leave the CPU's generator, and `device`'s where it is a GPU, as
+    they were when it began (`torch.random.fork_rng`)."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 # ---------------------------------------------------------------------------------- CUDA: measured

@@ -353,3 +353,16 @@ def test_every_cuda_only_test_is_marked_gpu():
     own_skip = "skipif(not torch.cuda" + ".is_available()"  # split, so that this file does not match itself
     offenders = [path.name for path in Path("tests").glob("test_*.py") if own_skip in path.read_text()]
     assert offenders == []
+
+
+def test_a_probe_s_random_draws_leave_that_gpu_s_generator_as_it_was(fake_cuda):
+    """The CUDA branch of `memory.random_states_kept` (probe_step's), against the strict fake: two
+    cards, the probe on the second, whose generator its draws move (set here as a draw would); on
+    leaving, card 1's state is back and card 0's untouched. Would catch the CUDA generator left
+    out of the fork (devices=[]), or the wrong card's forked (the current one, 0)."""
+    cuda = fake_cuda(H100, H100)
+    before = [card.rng.clone() for card in cuda.cards]
+    with memory.random_states_kept(torch.device("cuda", 1)):
+        torch.cuda.set_rng_state(torch.full((16,), 7, dtype=torch.uint8), torch.device("cuda", 1))
+        assert not torch.equal(cuda.cards[1].rng, before[1])
+    assert all(torch.equal(card.rng, state) for card, state in zip(cuda.cards, before))

@@ -518,6 +518,28 @@ def test_cloudseg_memory_measures_on_the_gpu(capsys):
     assert all(int(row[-1]) >= 2 for row in fits)  # the 80 GB column
 
 
+def test_a_probe_step_on_the_gpu_leaves_its_generator_as_it_was():
+    """probe_step's random batch on the GPU (about 2 s): the GPU's generator draws after it what it
+    would have drawn without it; and the fork itself, entered and left with about a second of GPU
+    work still queued, makes no host sync (sync debug mode "error"). Would catch the probes moving
+    the stream (a resume on another number of GPUs then refused: the saved states never equal the
+    seeded ones), or a fork that waits for the queued work."""
+    config = load_config("configs/demo.yaml", ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]"])
+    model = build_model(config.model, pretrained=False).to(gpu()).train()
+    torch.manual_seed(7)
+    expected = torch.rand(4, device=gpu()).cpu()
+    torch.manual_seed(7)
+    torch.cuda._sleep(2**30)  # queued work: a sync would wait for it
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with memory.random_states_kept(gpu()):
+            torch.rand(1000, device=gpu())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    memory.probe_step(model, 1, (64, 96), gpu(), None)
+    assert torch.equal(torch.rand(4, device=gpu()).cpu(), expected)
+
+
 def test_cloudseg_memory_under_a_cap_trains_every_precision_and_mode():
     """`--limit-gb 2`: real training steps under a 2 GB cap, fp16 and bf16, each checkpointing
     mode, with the retry and both autos, in a process of its own as a user runs it. Would catch:
