@@ -5,13 +5,16 @@
 # For a lent machine that has torch but not cloudseg's other packages: wheels in .whl/ (from
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
 # TESTS, a pytest -k expression, picks the GPU tests (those a window never reached, BENCHMARKS.md);
-# PARTS, `make bench`'s parts in the order run (those a window never reached).
-#   usage: OUT=dir bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210] [TESTS] [PARTS]
+# PARTS, `make bench`'s parts in the order run (those a window never reached); STUDIES, which of the
+# import and cuDNN studies to run (imports, cudnn; "none": neither); FIRST, a command run before the tests
+# (the open issue's measurement, its output in OUT/first.log), within LIMIT_S.
+#   usage: OUT=dir [FIRST="command"] bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=210] [TESTS] [PARTS] [STUDIES]
 set -u
 LIMIT_S=${1:-570}
 TEST_S=${2:-210}
 TESTS=${3:-}
 PARTS=${4:-segment memory epoch predict training}
+STUDIES=${5:-imports cudnn}
 mkdir -p "${OUT:=bench/window}" bench && OUT=$(cd "$OUT" && pwd)
 start=$SECONDS
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -50,6 +53,11 @@ imports "after compileall" >>"$OUT/gpu.txt"
 bytecode >>"$OUT/gpu.txt" 2>&1
 python3 -c "import torch, segmentation_models_pytorch as smp; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'smp', smp.__version__)" >>"$OUT/gpu.txt" 2>&1
 
+if [ -n "${FIRST:-}" ]; then
+  timeout -k 5 $((LIMIT_S - 60)) bash -c "$FIRST" >"$OUT/first.log" 2>&1
+  echo "first: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/first.log"
+fi
+
 # Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow),
 # the one the time limit cuts too; profiled, the tests' times are somewhat longer than without.
 PYTEST_ADDOPTS="$PYTEST_ADDOPTS --profile-slow $OUT/profiles${TESTS:+ -k '$TESTS'}" \
@@ -57,11 +65,15 @@ PYTEST_ADDOPTS="$PYTEST_ADDOPTS --profile-slow $OUT/profiles${TESTS:+ -k '$TESTS
 echo "make test-gpu: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/test-gpu.log"
 
 # Where a command's import time goes on this machine (the fixed cost of a one-scene segment call).
-timeout -k 5 120 python3 benchmarks/import_time.py --repeat 1 >"$OUT/imports.log" 2>&1
-echo "import_time: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/imports.log"
+if [[ " $STUDIES " == *" imports "* ]]; then
+  timeout -k 5 120 python3 benchmarks/import_time.py --repeat 1 >"$OUT/imports.log" 2>&1
+  echo "import_time: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/imports.log"
+fi
 # Whether cuDNN's search pays for prediction on this GPU (prediction leaves it off: an H200 said no).
-timeout -k 5 120 python3 benchmarks/cudnn_search.py --repeat 1 >"$OUT/cudnn.log" 2>&1
-echo "cudnn_search: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/cudnn.log"
+if [[ " $STUDIES " == *" cudnn "* ]]; then
+  timeout -k 5 120 python3 benchmarks/cudnn_search.py --repeat 1 >"$OUT/cudnn.log" 2>&1
+  echo "cudnn_search: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/cudnn.log"
+fi
 
 budget=$((LIMIT_S - (SECONDS - start) - 20))
 make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts $PARTS" \
@@ -71,3 +83,4 @@ cp bench/report.md "$OUT/" 2>/dev/null
 (cd bench/work 2>/dev/null && tar czf "$OUT/part-logs.tgz" ./*.log ./*.json 2>/dev/null)
 tail -n 25 "$OUT/test-gpu.log"
 sed -n '/^## segment/,/^## training/p' bench/report.md 2>/dev/null | grep -v '^```' | head -40
+tail -n 45 "$OUT/first.log" 2>/dev/null

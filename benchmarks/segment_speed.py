@@ -33,29 +33,30 @@ predict.compile=auto does for a large job); wall-clock, so other processes on th
 megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
 the same model (a for b, c; d for e, f).
 
-Row h (on CUDA, or with --rows ...h): row c with the writer's wait as it was before commit 0b745e4
-(the band's GPU work queued by the writer thread when it comes to it, then the stream synchronized,
-which also waits for the batches the main thread queued meanwhile), in turn with row c again, each
-at least twice: a side-by-side measure of the event the writer now waits on (geo.to_host_soon).
+Row i: row c with every codec written by GDAL's writer, as before geo.CompressedStrips (the strips
+of ZSTD now compressed in threads of ours as rows come, laid out by tifffile), in turn
+with row c again, each at least twice. (Row h, the writer's wait before commit 0b745e4, answered
+on the H100 of 2026-11-27, evening: no difference; its code is gone.)
 
 Row g: row c again with N files written at once (--files-at-once N, default 2; 1: no row g):
 each scene's writes in a thread of their own (segment.FILES_AT_ONCE), the next scene mapped while
 the last one is written; its speed-up is against row a. --codecs: row c again in each codec named
-but the default (ZSTD), then row g in each. --rows: which of rows a-f (default all), for a short
+but the default (ZSTD), then row g in each. --rows: which of rows a-f and i (default all), for a short
 GPU window. A segment row's stage line ends with how long the call took before its first read
 (loading the checkpoint) and after its last write (the summaries).
 
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
 them on a GPU (`geo.geotiff_writer`, a row of windows at a time in whole strips, GDAL's cache
-capped), with deflate and ZSTD (the default), ZSTD also with the horizontal predictor and in strips
-of 64 and 256 rows (segment's are 16: fewer, larger blocks for GDAL's one writing thread), one file
-after another in one thread, then every scene's file at once in a thread each. What the writer
-alone allows segment where its stage line says `bound by: write`, and whether files written in
-parallel, or larger strips, would raise it; and the busiest writing thread's own CPU seconds: near
-the seconds, a file's one writing thread bounds it, however many threads compress (on the 2-core VM
-half of that thread's time was memory copies, GDAL's of the bands into its blocks among them). (The
-H100 of 2026-11-27 measured the rest: deflate with the predictor, and each release written as it
-comes, not in whole strips: BENCHMARKS.md.)
+capped), with deflate (GDAL's writer) and ZSTD (the default), ZSTD compressed by our threads
+(geo.CompressedStrips, as segment writes it) and by GDAL's writer as before, then both in larger
+strips (segment's are geo.OUTPUT_STRIP_ROWS), one file after another in one thread, then every scene's
+file at once in a thread each. What the writer alone allows segment where its stage line says
+`bound by: write`, and whether files written in parallel, or larger strips, would raise it; and the
+busiest writing thread's own CPU seconds: near the seconds, a file's one writing thread bounds it,
+however many threads compress (GDAL's writer: that thread copies every block into GDAL's cache and
+again into its compression job; ours only hands strips to the threads and writes their bytes). (The
+H100 of 2026-11-27 measured the rest: deflate and ZSTD with the predictor, and each release written
+as it comes, not in whole strips: BENCHMARKS.md.)
 
 Then a call's fixed cost, apart from the per-scene rate: `cloudseg segment` twice in new
 processes on one window-sized scene (imports, loading; no compiling: auto does not compile for
@@ -66,7 +67,7 @@ timed beside them until the H200 of 2026-11-27 showed the search bought predicti
 commands that predict now never search, hardware.speed_switches.)
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
-       --batch B --config FILE --device D --files-at-once N --codecs C [C ...] --rows LETTERS --log
+       --batch B --config FILE --device D --files-at-once N --codecs C [C ...] --outputs O [O ...] --rows LETTERS --log
        --no-writes --no-fixed-cost]
 """
 
@@ -123,7 +124,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO if args.log else logging.WARNING)
     device = resolve_device(args.device)
-    args.rows = args.rows or "abcdef" + ("h" if device.type == "cuda" else "")  # row h means something on CUDA
+    args.rows = args.rows or "abcdefi"
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
@@ -134,15 +135,16 @@ def main() -> None:
         rows = Rows(args.scenes * args.height * args.width / 1e6)
 
         def segment_runs(where: str, overlap: float = 0.25, forward=None, compress: str = geo.DEFAULT_CODEC,
-                         repeat: int = args.repeat) -> tuple[float, float, str | None]:
+                         repeat: int = args.repeat, outputs: tuple[str, ...] = geo.DEFAULT_OUTPUTS,
+                         ) -> tuple[float, float, str | None]:
             """`run_segment` on the scenes into folder/where, each run after a warm-up scene: `timed`."""
             run = partial(run_segment, checkpoint=checkpoint, args=args, overlap=overlap, device=device,
-                          forward=forward, compress=compress)
+                          forward=forward, compress=compress, outputs=outputs)
             return timed(lambda out: run(scenes, out=out), lambda out: run([warm], out=out), folder / where, repeat)
 
         def segment_row(name: str, where: str, overlap: float = 0.25, forward=None,
-                        compress: str = geo.DEFAULT_CODEC) -> None:
-            rows[name] = segment_runs(where, overlap, forward, compress)
+                        compress: str = geo.DEFAULT_CODEC, outputs: tuple[str, ...] = geo.DEFAULT_OUTPUTS) -> None:
+            rows[name] = segment_runs(where, overlap, forward, compress, outputs=outputs)
 
         for letters, name, forward in (("abc", "", model), ("def", ", no model", Constant())):
             if letters[0] in args.rows:
@@ -154,16 +156,15 @@ def main() -> None:
                 if letter in args.rows:
                     segment_row(f"{letter}. cloudseg segment{name}, overlap {overlap} (batch {args.batch})", letter,
                                 overlap, None if forward is model else forward)
-        if "h" in args.rows:  # the writer's wait as before, in turn with row c: the fastest of each
+        if "i" in args.rows:  # GDAL's writer as before, in turn with row c: the fastest of each
             in_turn = {f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), again": contextlib.nullcontext,
-                       f"h. cloudseg segment, overlap 0.25 (batch {args.batch}), the writer waiting on the stream":
-                       writer_waiting_on_the_stream}
+                       f"i. cloudseg segment, overlap 0.25 (batch {args.batch}), GDAL's writer": gdal_writer}
             runs = collections.defaultdict(list)
             for turn in range(max(2, args.repeat)):
-                for index, (name, waiting) in enumerate(in_turn.items()):
-                    with waiting():
-                        runs[name].append(segment_runs(f"h{index}-{turn}", repeat=1))
-                    print(f"  run {turn + 1} of {name[:2]} {'again' if index == 0 else 'the stream'}: "
+                for index, (name, writer) in enumerate(in_turn.items()):
+                    with writer():
+                        runs[name].append(segment_runs(f"i{index}-{turn}", repeat=1))
+                    print(f"  run {turn + 1} of {name[:2]} {'again' if index == 0 else 'GDAL'}: "
                           f"{runs[name][-1][0]:.2f} s", flush=True)
             for name, results in runs.items():
                 rows[name] = min(results, key=lambda result: result[0])
@@ -171,6 +172,10 @@ def main() -> None:
             if codec != geo.DEFAULT_CODEC and "c" in args.rows:
                 segment_row(f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), {codec}", f"c-{codec}",
                             compress=codec)
+        for outputs in args.outputs:  # row c writing other bands: how much of its time the bytes written take
+            if outputs != ",".join(geo.DEFAULT_OUTPUTS) and "c" in args.rows:
+                segment_row(f"c. cloudseg segment, overlap 0.25 (batch {args.batch}), --outputs {outputs}",
+                            f"c-{outputs.replace(',', '-')}", outputs=tuple(outputs.split(",")))
         for codec in args.codecs if args.files_at_once > 1 else ():  # the next scene mapped while the last is written
             name = (f"g. cloudseg segment, overlap 0.25 (batch {args.batch}), {args.files_at_once} files at once"
                     + ("" if codec == geo.DEFAULT_CODEC else f", {codec}"))
@@ -244,10 +249,13 @@ def parse_args():
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is shown")
     parser.add_argument("--config", default="configs/demo.yaml", help="the model's architecture")
     parser.add_argument("--log", action="store_true", help="segment's own log lines (loading time, rate)")
-    parser.add_argument("--rows", help="which of rows a-f and h to time (default abcdef, and h on CUDA; "
+    parser.add_argument("--rows", help="which of rows a-f and i to time (default abcdefi; "
                         "row g: --files-at-once)")
     parser.add_argument("--codecs", nargs="+", default=[geo.DEFAULT_CODEC], choices=list(geo.CODECS),
                         help=f"row c again in each codec but the default ({geo.DEFAULT_CODEC}), then row g in each")
+    parser.add_argument("--outputs", nargs="+", default=[",".join(geo.DEFAULT_OUTPUTS)], metavar="OUTPUTS",
+                        help="row c again with each of these --outputs but the default (probs,masks): "
+                             "e.g. classbits, an eighth of the bytes")
     parser.add_argument("--files-at-once", type=int, default=2, metavar="N",
                         help="then row c again with segment.FILES_AT_ONCE = N (1: not)")
     parser.add_argument("--writes", action=argparse.BooleanOptionalAction, default=True,
@@ -258,23 +266,11 @@ def parse_args():
     return parser.parse_args()
 
 
-@contextlib.contextmanager
-def writer_waiting_on_the_stream():
-    """Row h: segment's encode as before commit 0b745e4. The GPU's work for a band is queued by the
-    writer's thread when it comes to that band, behind the batches the main thread queued meanwhile,
-    and the writer then synchronizes the stream, waiting for all of them."""
-    now = geo.output_bands_soon
-
-    def queued_by_the_writer(probs, valid, thresholds):
-        def encode():
-            bands = now(probs, valid, thresholds)
-            if probs.device.type == "cuda":
-                torch.cuda.current_stream(probs.device).synchronize()
-            return bands()
-        return encode
-
-    with unittest.mock.patch.object(geo, "output_bands_soon", queued_by_the_writer):
-        yield
+def gdal_writer():
+    """Row i, and the writes alone's GDAL rows: every codec written by GDAL's writer, as before
+    geo.CompressedStrips (its blocks compressed in GDAL's threads, every block copied by the one
+    thread that writes the file)."""
+    return unittest.mock.patch.dict(geo.STRIP_ENCODERS, clear=True)
 
 
 def write_checkpoint(path: Path, config_file: str, tile) -> Path:
@@ -327,12 +323,12 @@ def naive(scenes: list[Path], model, tile, device: torch.device, out: Path) -> N
 
 
 def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: float, device: torch.device,
-                forward=None, compress: str = geo.DEFAULT_CODEC) -> str:
+                forward=None, compress: str = geo.DEFAULT_CODEC, outputs: tuple[str, ...] = geo.DEFAULT_OUTPUTS) -> str:
     """`segment` on the checkpoint (loaded anew, as a call does), or the checkpoint's ensemble with
     `forward` for its model (`segment_scenes`: loading apart); its stage line and timeline, and how
     long the call took before its first read and after its last write (loading, summaries)."""
     # On CUDA rows b and c compile: they stand for a job large enough that predict.compile=auto compiles.
-    options = SegmentOptions(tuple(args.tile), overlap, compress=compress)
+    options = SegmentOptions(tuple(args.tile), overlap, compress=compress, outputs=outputs)
     start = time.perf_counter()
     overrides = [f"predict.batch_size={args.batch}", f"predict.compile={str(device.type == 'cuda').lower()}"]
     clock = StageClock()
@@ -350,13 +346,14 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
             f"before its first read, {time.perf_counter() - last_end:.2f} s after its last write")
 
 
-# The rows of the writes-alone table, name -> (codec, rows a strip): deflate and segment's ZSTD, in its
-# strips (geo.OUTPUT_STRIP_ROWS), then ZSTD with the horizontal predictor (PREDICTOR=2; GDAL options for
-# this comparison only, added to geo.CODECS while it runs) and in larger strips; always in whole strips.
-WRITE_CODECS = {"deflate": ("deflate", geo.OUTPUT_STRIP_ROWS), "zstd": ("zstd", geo.OUTPUT_STRIP_ROWS),
-                "zstd, predictor": ("zstd-predictor", geo.OUTPUT_STRIP_ROWS),
-                "zstd, strips of 64 rows": ("zstd", 64), "zstd, strips of 256 rows": ("zstd", 256)}
-COMPARED_CODECS = {"zstd-predictor": {**geo.CODECS["zstd"], "predictor": 2}}
+# The rows of the writes-alone table, name -> (codec, rows a strip, GDAL's writer): deflate (GDAL's) and
+# segment's ZSTD (ours, geo.CompressedStrips) in segment's strips (geo.OUTPUT_STRIP_ROWS), ZSTD by GDAL's
+# writer as before (`gdal_writer`), then both in larger strips; always in whole strips.
+WRITE_CODECS = {"deflate": ("deflate", geo.OUTPUT_STRIP_ROWS, True),
+                "deflate, strips of 64 rows": ("deflate", 64, True),
+                "zstd": ("zstd", geo.OUTPUT_STRIP_ROWS, False),
+                "zstd, GDAL's writer": ("zstd", geo.OUTPUT_STRIP_ROWS, True),
+                "zstd, strips of 64 rows": ("zstd", 64, False), "zstd, strips of 256 rows": ("zstd", 256, False)}
 
 
 def writes_alone(maps: list[Path], tile: tuple[int, int],
@@ -389,9 +386,8 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
         return out / maps[index].name, threading.get_ident(), time.thread_time() - cpu
 
     results = {}
-    with (tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB),
-          unittest.mock.patch.dict(geo.CODECS, COMPARED_CODECS)):
-        for name, (codec, strip_rows) in WRITE_CODECS.items():
+    with tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
+        for name, (codec, strip_rows, gdal) in WRITE_CODECS.items():
             for at_once in sorted({1, len(maps)}):
                 times = []
                 for run in range(repeat):
@@ -399,7 +395,8 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
                     out.mkdir()
                     start, cpu = time.perf_counter(), time.process_time()
                     with (concurrent.futures.ThreadPoolExecutor(at_once) as pool,
-                          unittest.mock.patch.object(geo, "OUTPUT_STRIP_ROWS", strip_rows)):
+                          unittest.mock.patch.object(geo, "OUTPUT_STRIP_ROWS", strip_rows),
+                          gdal_writer() if gdal else contextlib.nullcontext()):
                         paths, threads, own = zip(*pool.map(lambda index: write(index, codec, out), range(len(maps))))
                     busiest = max(sum(seconds for thread, seconds in zip(threads, own) if thread == one)
                                   for one in set(threads))  # one thread's files, one after another
@@ -418,7 +415,7 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
 
 def print_writes(writes, megapixels: float, files: int) -> None:
     print(f"\nWrites alone (row c's {files} maps written again as segment writes them; the fastest run; "
-          "CPU s: this process's threads, GDAL's included; writing thread: the busiest of those that called GDAL, "
+          "CPU s: this process's threads, GDAL's included; writing thread: the busiest of those that wrote a file, "
           "its own CPU s, near the seconds where a writing thread bounds the writes):\n")
     print("| codec | files at once | seconds | CPU s | writing thread's CPU s | megapixels/s | MB |")
     print("|---|---|---|---|---|---|---|")

@@ -11,13 +11,18 @@ rasterio (GeoTIFF) and xarray (NetCDF, written through scipy) come with the opti
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import datetime
 import functools
 import importlib
+import itertools
 import math
+import os
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -344,7 +349,7 @@ CODECS = {"deflate": dict(compress="deflate", zlevel=1), "zstd": dict(compress="
 # 16 cores it took segment's row c from 121.7 to 156.2 megapixels/s with under half the CPU (7.2 against
 # 16.7 s; BENCHMARKS.md, 2026-11-27). deflate for readers without it (a plain libtiff, MATLAB).
 DEFAULT_CODEC = "zstd"
-WRITE_THREADS = "ALL_CPUS"  # GDAL's compression threads (NUM_THREADS): blocks compressed in parallel
+WRITE_THREADS = os.cpu_count() or 1  # threads compressing a map's strips (ours, or GDAL's NUM_THREADS)
 # Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel (a COG keeps its driver's
 # default): deflate then sees one smooth band at a time and GDAL skips the interleaving copy. Eight
 # 2800x9000 bands of smooth probabilities and their masks, deflate, 2 cores: 0.66 s and 42 MB
@@ -402,32 +407,144 @@ def check_codec(compress: str, writable: bool = True) -> None:
 @contextlib.contextmanager
 def geotiff_writer(path: Path, scene: GeoTiffScene, outputs: tuple[str, ...] = DEFAULT_OUTPUTS,
                    compress: str = DEFAULT_CODEC, cog: bool = False):
-    """A rasterio dataset for `path` with the scene's size, CRS and transform, the uint8 bands of
-    `outputs` (`chosen_bands`), nodata NODATA, each band stored apart (INTERLEAVE; not in a COG),
-    compressed by `compress` (CODECS) in GDAL's threads; written to a temporary file renamed over
-    `path` at the end. With `cog`, the rows go uncompressed to a file of strips, then GDAL's COG
-    driver copies it into a Cloud-Optimized GeoTIFF (COG_OPTIONS)."""
-    rasterio = geo_module("rasterio")
+    """What `write_geotiff_rows` writes the uint8 bands of `outputs` (`chosen_bands`) into, for a
+    GeoTIFF at `path` with the scene's size, CRS and transform, nodata NODATA, each band stored
+    apart (INTERLEAVE; not in a COG), in strips of OUTPUT_STRIP_ROWS, compressed by `compress`
+    (CODECS); written to a temporary file renamed over `path` at the end, checked whole
+    (`check_whole`). ZSTD strips are compressed in WRITE_THREADS threads of ours
+    (`CompressedStrips`); deflate, LERC, none and the COG's file of strips are GDAL's writes. With `cog`, the
+    rows go uncompressed to a file of strips, then GDAL's COG driver copies it into a
+    Cloud-Optimized GeoTIFF (COG_OPTIONS)."""
     names = [name for output in outputs for name in OUTPUTS[output]]
+    with atomic_path(path) as tmp:
+        if compress in STRIP_ENCODERS and not cog:
+            with CompressedStrips(tmp, (len(names), scene.height, scene.width), compress, published=path) as strips:
+                yield strips
+            georeference(tmp, scene, names)
+            check_whole(tmp, path)
+            return
+        yield from gdal_geotiff(path, tmp, scene, names, compress, cog)
+
+
+def gdal_geotiff(path: Path, tmp: Path, scene: GeoTiffScene, names: list[str], compress: str, cog: bool):
+    """`geotiff_writer`'s rasterio dataset, GDAL's writer (its blocks compressed in GDAL's threads),
+    for the codecs without a STRIP_ENCODER and for a COG's file of strips."""
+    rasterio = geo_module("rasterio")
     profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(names), dtype="uint8",
                    crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
                    interleave=INTERLEAVE, num_threads=WRITE_THREADS, BIGTIFF="IF_SAFER",
                    **CODECS["none" if cog else compress])
-    with atomic_path(path) as tmp:
-        strips = new_hidden_file(path) if cog else tmp  # with `cog`, the rows go to a file of strips first
+    strips = new_hidden_file(path) if cog else tmp  # with `cog`, the rows go to a file of strips first
+    try:
+        with rasterio.open(strips, "w", **profile) as out:
+            for band, name in enumerate(names, start=1):
+                out.set_band_description(band, name)
+            yield out
+        check_whole(strips, path)
+        if cog:
+            geo_module("rasterio.shutil").copy(strips, tmp, driver="COG", NUM_THREADS=WRITE_THREADS,
+                                               **COG_OPTIONS, **COG_CODECS[compress])
+            check_whole(tmp, path)
+    finally:
+        if cog:
+            strips.unlink(missing_ok=True)
+
+
+def zstd_strip(strip: np.ndarray) -> bytes:
+    """A strip as TIFF's ZSTD (50000) holds it: one Zstandard frame, level 1 as CODECS says."""
+    compressor = getattr(_compressors, "zstd", None)  # one a thread: a compressor is not thread-safe
+    if compressor is None:
+        compressor = _compressors.zstd = importlib.import_module("zstandard").ZstdCompressor(level=1)
+    return compressor.compress(strip)
+
+
+_compressors = threading.local()
+# The codecs whose strips our threads compress (python-zstandard releases the GIL while it works), by
+# their names for tifffile; the others are GDAL's (`gdal_geotiff`). Not deflate: GDAL's libdeflate took
+# 0.86 CPU s where zlib in our threads took 1.22 for the same maps (2-core VM, 2026-11-27).
+STRIP_ENCODERS = {"zstd": zstd_strip}
+# Uncompressed rows handed to the threads and not yet compressed, at most: a writer ahead of them waits.
+PENDING_BYTES = 256 << 20
+
+
+class CompressedStrips:
+    """A GeoTIFF's strips (`shape` bands × height × width, uint8, each band apart) compressed in
+    WRITE_THREADS threads as their rows come, then laid out in the file by tifffile once all are
+    in (a band's strips lie together: each band's come last for the first). Why not GDAL's writer:
+    it compresses in threads too, but one thread copies every block into its cache and again into
+    its compression job, and on an H100's 16 cores that thread bounded segment (2.9 GB/s, the
+    compression itself 2 CPU s of 16 cores; BENCHMARKS.md, 2026-11-27 evening). Here the threads
+    read the rows where they lie. Holds the compressed map until the end (a 7000×18000 map of
+    eight bands of smooth probabilities: about 100 MB of its 1 GB)."""
+
+    def __init__(self, path: Path, shape: tuple[int, int, int], compress: str, published: Path | None = None):
+        self.path, self.shape, self.compress = path, shape, compress
+        self.published = published or path  # the name errors give: the map's, not its temporary file's
+        self.name, self.closed = str(path), False  # as a rasterio dataset's: the file written, and whether closed
+        self.pool = concurrent.futures.ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cloudseg-compress")
+        self.strips: dict[tuple[int, int], concurrent.futures.Future] = {}  # (band, strip) -> its bytes
+        self.pending, self.pending_bytes = collections.deque(), 0  # (future, rows' bytes), oldest first
+
+    def write(self, top: int, bands: np.ndarray) -> None:
+        """The rows of every band from `top`, a strip's first row, in whole strips (the map's last
+        one may be shorter: `WholeStrips` hands them so)."""
+        end, height = top + bands.shape[1], self.shape[1]
+        if top % OUTPUT_STRIP_ROWS or (end % OUTPUT_STRIP_ROWS and end != height) or end > height:
+            raise ValueError(f"{self.published}: rows {top} to {end} of {height} are no whole strips of "
+                             f"{OUTPUT_STRIP_ROWS} rows (WholeStrips makes them)")
+        if bands.shape[0] != self.shape[0]:
+            raise ValueError(f"{self.published}: {bands.shape[0]} bands, where the map has {self.shape[0]}")
+        for band, rows in enumerate(bands):
+            for start in range(0, rows.shape[0], OUTPUT_STRIP_ROWS):
+                strip = np.ascontiguousarray(rows[start:start + OUTPUT_STRIP_ROWS])  # a view where it already is
+                future = self.pool.submit(STRIP_ENCODERS[self.compress], strip)
+                self.strips[band, (top + start) // OUTPUT_STRIP_ROWS] = future
+                self.pending.append((future, strip.nbytes))
+                self.pending_bytes += strip.nbytes
+        while self.pending_bytes > PENDING_BYTES:
+            future, nbytes = self.pending.popleft()
+            concurrent.futures.wait([future])
+            self.pending_bytes -= nbytes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Lay the strips out in the file (all of them there, or an error); after an error, only stop."""
         try:
-            with rasterio.open(strips, "w", **profile) as out:
-                for band, name in enumerate(names, start=1):
-                    out.set_band_description(band, name)
-                yield out
-            check_whole(strips, path)
-            if cog:
-                geo_module("rasterio.shutil").copy(strips, tmp, driver="COG", NUM_THREADS=WRITE_THREADS,
-                                                   **COG_OPTIONS, **COG_CODECS[compress])
-                check_whole(tmp, path)
+            if kind is None:
+                self.lay_out()
         finally:
-            if cog:
-                strips.unlink(missing_ok=True)
+            self.pool.shutdown(cancel_futures=True)
+            self.closed = True
+
+    def lay_out(self) -> None:
+        bands, height, width = self.shape
+        per_band = -(-height // OUTPUT_STRIP_ROWS)
+        missing = [key for key in itertools.product(range(bands), range(per_band)) if key not in self.strips]
+        if missing:
+            raise RuntimeError(f"{self.published}: band {missing[0][0] + 1}'s rows from {missing[0][1] * OUTPUT_STRIP_ROWS} "
+                               "were never written")
+        compressed = (self.strips.pop(key).result() for key in itertools.product(range(bands), range(per_band)))
+        try:
+            geo_module("tifffile").imwrite(
+                self.path, data=compressed, shape=self.shape if bands > 1 else self.shape[1:], dtype=np.uint8,
+                planarconfig="separate" if bands > 1 else None, photometric="minisblack",
+                rowsperstrip=OUTPUT_STRIP_ROWS, compression=self.compress, metadata=None)
+        except OSError as error:  # a full disk, a file-size limit: Python's error names no file
+            raise OSError(f"{self.published}: the map could not be written whole ({error}): is the disk full?") from None
+
+
+def georeference(path: Path, scene: GeoTiffScene, names: list[str]) -> None:
+    """Give the GeoTIFF at `path` the scene's CRS and transform, nodata NODATA and its bands' names,
+    in GDAL's own tags (GDAL updates the file's header; the strips stay where they are)."""
+    rasterio = geo_module("rasterio")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rasterio.errors.NotGeoreferencedWarning)  # not yet: that is what we do
+        with rasterio.open(path, "r+") as out:
+            out.crs, out.transform, out.nodata = scene.crs, scene.transform, NODATA
+            for band, name in enumerate(names, start=1):
+                out.set_band_description(band, name)
 
 
 def check_whole(written: Path, name: Path) -> None:
@@ -469,8 +586,12 @@ COG_CODECS = {"deflate": dict(COMPRESS="DEFLATE", LEVEL=1), "zstd": dict(COMPRES
 
 
 def write_geotiff_rows(out, top: int, bands: np.ndarray) -> None:
-    """Write h×W rows of bands (`chosen_bands`) at row `top`, a band at a time: each band's rows lie
-    together even in a slice of rows, which rasterio would copy whole to make contiguous."""
+    """Write h×W rows of bands (`chosen_bands`) at row `top` into `geotiff_writer`'s `out`: our
+    threads' strips, or GDAL's dataset a band at a time (each band's rows lie together even in a
+    slice of rows, which rasterio would copy whole to make contiguous)."""
+    if isinstance(out, CompressedStrips):
+        out.write(top, bands)
+        return
     window = geo_module("rasterio.windows").Window(0, top, bands.shape[2], bands.shape[1])
     for index, band in enumerate(bands, start=1):
         out.write(band, index, window=window)
