@@ -48,8 +48,8 @@ GPU window. A segment row's stage line ends with how long the call took before i
 Then segment's writes alone (--no-writes: not): row c's maps written again as segment writes
 them on a GPU (`geo.geotiff_writer`, a row of windows at a time in whole strips, GDAL's cache
 capped), with deflate (GDAL's writer) and ZSTD (the default), ZSTD compressed by our threads
-(geo.CompressedStrips, as segment writes it) and by GDAL's writer as before, then both in larger
-strips (segment's are geo.OUTPUT_STRIP_ROWS), one file after another in one thread, then every scene's
+(geo.CompressedStrips, as segment writes it) and by GDAL's writer as before, then both in strips
+of 16 rows (segment's were 16 until 2026-11-27; now geo.OUTPUT_STRIP_ROWS) and ZSTD in strips of 256, one file after another in one thread, then every scene's
 file at once in a thread each. What the writer alone allows segment where its stage line says
 `bound by: write`, and whether files written in parallel, or larger strips, would raise it; and the
 busiest writing thread's own CPU seconds: near the seconds, a file's one writing thread bounds it,
@@ -348,12 +348,12 @@ def run_segment(scenes: list[Path], checkpoint: Path, out: Path, args, overlap: 
 
 # The rows of the writes-alone table, name -> (codec, rows a strip, GDAL's writer): deflate (GDAL's) and
 # segment's ZSTD (ours, geo.CompressedStrips) in segment's strips (geo.OUTPUT_STRIP_ROWS), ZSTD by GDAL's
-# writer as before (`gdal_writer`), then both in larger strips; always in whole strips.
+# writer as before (`gdal_writer`), then both in other strips; always in whole strips.
 WRITE_CODECS = {"deflate": ("deflate", geo.OUTPUT_STRIP_ROWS, True),
-                "deflate, strips of 64 rows": ("deflate", 64, True),
+                "deflate, strips of 16 rows": ("deflate", 16, True),
                 "zstd": ("zstd", geo.OUTPUT_STRIP_ROWS, False),
                 "zstd, GDAL's writer": ("zstd", geo.OUTPUT_STRIP_ROWS, True),
-                "zstd, strips of 64 rows": ("zstd", 64, False), "zstd, strips of 256 rows": ("zstd", 256, False)}
+                "zstd, strips of 16 rows": ("zstd", 16, False), "zstd, strips of 256 rows": ("zstd", 256, False)}
 
 
 def writes_alone(maps: list[Path], tile: tuple[int, int],

@@ -334,7 +334,10 @@ def to_host_soon(*tensors: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...
 
 # Rows of a strip of the output GeoTIFF: rows arrive a band at a time, so strips (not tiles) are
 # complete soon after, written once, and leave the cache (a tile rewritten would grow the file).
-OUTPUT_STRIP_ROWS = 16
+# 64, not 16: on an H100's 16 cores row c's two maps took 0.13 s in our threads against 0.41 (ZSTD;
+# fewer strips to hand over), and 0.81 against 1.07 s in GDAL's (deflate); 256 rows, 0.28 s (ZSTD;
+# BENCHMARKS.md, 2026-11-27, night). A strip of 64 rows × 18000 is 1.2 MB for a reader to inflate.
+OUTPUT_STRIP_ROWS = 64
 BAND_NAMES = [f"{label} probability x254" for label in LABELS] + [f"{label} mask" for label in LABELS]
 CLASS_BITS_NAME = "class bits (" + ", ".join(f"{label} {1 << k}" for k, label in enumerate(LABELS)) + ")"
 OUTPUTS = {"probs": BAND_NAMES[:len(LABELS)], "masks": BAND_NAMES[len(LABELS):], "classbits": [CLASS_BITS_NAME]}
@@ -600,7 +603,8 @@ def write_geotiff_rows(out, top: int, bands: np.ndarray) -> None:
 class WholeStrips:
     """Rows for `write_geotiff_rows` in whole strips of OUTPUT_STRIP_ROWS (the scene's last one
     as it is): the rows of a strip that one call leaves incomplete are held (copied, at most a
-    strip's) until the next call completes it. Written in part, a strip would be compressed, leave
+    strip's) until the next call completes it. `CompressedStrips` takes nothing else. GDAL's writer
+    takes rows off the strips, but written in part a strip would be compressed, leave
     GDAL's capped cache, then be read back, inflated and compressed again once its other rows came:
     releases of 1050 rows (a GPU's, tile 1400 at overlap 0.25) of an 8-band 4200x9000 map took 3-5%
     more time and CPU written as they came than in whole strips (2 cores, 2026-11-27, medians of

@@ -66,9 +66,12 @@ RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their fl
 FILES_AT_ONCE = 1
 WRITE_QUEUE_BYTES = 2**30
 # Batches of windows read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
-# GPU predicts 1400x2100 windows faster than one thread inflates them from a deflated GeoTIFF. On a
-# CPU one batch ahead, as the model's own threads take the cores.
-READ_AHEAD = max(1, min(4, (os.cpu_count() or 1) // 4))
+# GPU predicts 1400x2100 windows faster than one thread inflates them from a deflated GeoTIFF. Half
+# the cores, at most 8 (a batch of four such windows is 35 MB of pinned memory): on an H100's 16
+# cores, with the maps' strips compressed in our threads, 4, 8 and 12 read the no-model row f at
+# 362, 526 and 546 megapixels/s, row c at 231, 215 and 223 (there the GPU bounds it; BENCHMARKS.md,
+# 2026-11-27, night). On a CPU one batch ahead, as the model's own threads take the cores.
+READ_AHEAD = max(1, min(8, (os.cpu_count() or 1) // 2))
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
 

@@ -150,26 +150,29 @@ def test_segment_benchmark_prints_its_table():
     codec or timing files at once that are not there (writes_alone itself checks each file read
     back against row c's map), a writing thread's CPU seconds not its own (the process's clock
     counts GDAL's compression threads too, and so runs ahead of the wall clock where they work),
-    row h (the writer's wait before the event) not timed in turn with row c again."""
-    out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost", "--rows", "abcdefh")  # two scenes: two files at once
+    row i (GDAL's writer, as before geo.CompressedStrips) not timed in turn with row c again, or
+    row c with other --outputs missing."""
+    out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost", "--rows", "abcdefi",  # two scenes: two files at once
+              "--outputs", "probs,masks", "classbits")
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
                 "e. cloudseg segment, no model, overlap 0.0 (batch 4)", "f. cloudseg segment, no model, overlap 0.25 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4), again",
-                "h. cloudseg segment, overlap 0.25 (batch 4), the writer waiting on the stream"):
+                "i. cloudseg segment, overlap 0.25 (batch 4), GDAL's writer",
+                "c. cloudseg segment, overlap 0.25 (batch 4), --outputs classbits"):
         assert f"| {row} |" in out
     assert "scenes/s | megapixels/s" in out and "fixed cost" not in out
     stages = [line for line in out.splitlines() if "| stages: read " in line]
-    assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f.", "c.", "h.", "g."]
-    # row h and row c again in turn, two runs each (the fastest shown): four runs, then g's one
-    assert re.findall(r"run (\d) of (c\. again|h\. the stream)", out) == [
-        ("1", "c. again"), ("1", "h. the stream"), ("2", "c. again"), ("2", "h. the stream")]
+    assert [line.split()[1] for line in stages] == ["b.", "c.", "e.", "f.", "c.", "i.", "c.", "g."]
+    # row i and row c again in turn, two runs each (the fastest shown): four runs, then classbits' and g's
+    assert re.findall(r"run (\d) of (c\. again|i\. GDAL)", out) == [
+        ("1", "c. again"), ("1", "i. GDAL"), ("2", "c. again"), ("2", "i. GDAL")]
     assert "| g. cloudseg segment, overlap 0.25 (batch 4), 2 files at once |" in out
     assert all(" — bound by: " in line and "; from the first read: read 0.00 to " in line for line in stages)
     writes = [line.split(" | ") for line in out.splitlines() if line.startswith(("| deflate", "| zstd"))]
     assert [row[:2] for row in writes] == [[f"| {codec}", at_once] for codec in (
-        "deflate", "zstd", "zstd, predictor", "zstd, strips of 64 rows", "zstd, strips of 256 rows")
-        for at_once in ("1", "2")]
+        "deflate", "deflate, strips of 16 rows", "zstd", "zstd, GDAL's writer", "zstd, strips of 16 rows",
+        "zstd, strips of 256 rows") for at_once in ("1", "2")]
     # the busiest writing thread's own CPU: within the process's, and within the seconds, as one
     # thread's must be (all three printed to 0.01 s)
     assert "| writing thread's CPU s |" in out

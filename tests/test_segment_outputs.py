@@ -188,7 +188,7 @@ def test_whole_strips_write_every_row_once_in_whole_strips(monkeypatch, seed):
     """CPU. Would catch: releases written as they come (a strip written in part), held rows lost or
     written twice, rows of a strip held as a view of the caller's array (the caller overwrites it
     after each call here), or the scene's last, shorter strip held back."""
-    strip, height = geo.OUTPUT_STRIP_ROWS, 150  # 150 = 9 strips of 16 and 6 rows
+    strip, height = geo.OUTPUT_STRIP_ROWS, 150  # 150 = 2 strips of 64 and 22 rows
     rows = np.random.default_rng(seed).integers(0, 256, (2, height, 7), dtype=np.uint8)
     cuts = np.sort(np.random.default_rng(seed + 100).choice(np.arange(1, height), 9, replace=False))
     written = []
@@ -208,12 +208,13 @@ def test_whole_strips_write_every_row_once_in_whole_strips(monkeypatch, seed):
 def test_whole_strips_refuse_rows_out_of_order_and_tell_rows_never_written(monkeypatch):
     """CPU. Would catch: rows accepted out of order (a map with rows shifted), or a file finished
     though its last rows never came (held, or never released)."""
+    strip = geo.OUTPUT_STRIP_ROWS
     monkeypatch.setattr(geo, "write_geotiff_rows", lambda out, top, bands: None)
-    strips = geo.WholeStrips(None, 40)
-    strips.write(0, np.zeros((1, 20, 3), np.uint8))
-    with pytest.raises(ValueError, match="rows from 24: expected row 20"):
-        strips.write(24, np.zeros((1, 16, 3), np.uint8))
-    with pytest.raises(RuntimeError, match="rows 16 to 40 of the output were never written"):
+    strips = geo.WholeStrips(None, 2 * strip + 8)
+    strips.write(0, np.zeros((1, strip + 4, 3), np.uint8))
+    with pytest.raises(ValueError, match=f"rows from {strip + 8}: expected row {strip + 4}"):
+        strips.write(strip + 8, np.zeros((1, 16, 3), np.uint8))
+    with pytest.raises(RuntimeError, match=f"rows {strip} to {2 * strip + 8} of the output were never written"):
         strips.check_complete()
 
 
@@ -245,8 +246,8 @@ def test_compressed_strips_wait_while_their_threads_are_behind_and_lay_out_every
     bands = np.random.default_rng(0).integers(0, 255, (4, scene.height, scene.width), dtype=np.uint8)
     pending = []
     with geo.geotiff_writer(path, scene, ("probs",), "zstd") as out:
-        for top in range(0, scene.height, 32):
-            out.write(top, bands[:, top:top + 32])
+        for top in range(0, scene.height, geo.OUTPUT_STRIP_ROWS):  # whole strips, as WholeStrips hands them
+            out.write(top, bands[:, top:top + geo.OUTPUT_STRIP_ROWS])
             pending.append(sum(min(geo.OUTPUT_STRIP_ROWS, scene.height - strip * geo.OUTPUT_STRIP_ROWS) * scene.width
                                for (_, strip), future in out.strips.items() if not future.done()))
     assert max(pending) <= 4 * strip_bytes and max(pending) > 0  # waited for the threads, which were behind
@@ -260,18 +261,19 @@ def test_compressed_strips_refuse_rows_off_their_strips_and_name_the_rows_never_
     """CPU. Would catch: rows off a strip's first row compressed as a strip (a map with rows
     shifted), a strip cut short inside the map, or a map laid out with strips missing (tifffile
     would stop at a missing key with a bare KeyError, or write a map with rows never given)."""
-    scene, path = compressed_scene(tmp_path, height=40)
-    rows = np.zeros((1, 16, scene.width), np.uint8)
-    with pytest.raises(ValueError, match=r"map\.tif: rows 8 to 24 of 40 are no whole strips"):
+    strip = geo.OUTPUT_STRIP_ROWS
+    scene, path = compressed_scene(tmp_path, height=2 * strip + strip // 2)
+    rows = np.zeros((1, strip, scene.width), np.uint8)
+    with pytest.raises(ValueError, match=rf"map\.tif: rows 8 to {strip + 8} of {scene.height} are no whole strips"):
         with geo.geotiff_writer(path, scene, ("classbits",)) as out:
             out.write(8, rows)
-    with pytest.raises(ValueError, match="rows 0 to 10 of 40 are no whole strips"):
+    with pytest.raises(ValueError, match=rf"rows 0 to 10 of {scene.height} are no whole strips"):
         with geo.geotiff_writer(path, scene, ("classbits",)) as out:
             out.write(0, rows[:, :10])
-    with pytest.raises(RuntimeError, match=r"map\.tif: band 1's rows from 16 were never written"):
+    with pytest.raises(RuntimeError, match=rf"map\.tif: band 1's rows from {strip} were never written"):
         with geo.geotiff_writer(path, scene, ("classbits",)) as out:
             out.write(0, rows)
-            out.write(32, rows[:, :8])  # the last strip, shorter
+            out.write(2 * strip, rows[:, :strip // 2])  # the last strip, shorter
     assert list(tmp_path.iterdir()) == []  # neither the map nor its temporary file
 
 
@@ -371,13 +373,13 @@ def test_the_stage_line_adds_up_and_names_the_planted_slow_stage(tiny_ensemble, 
     ensemble = ensemble._replace(forwards=[pixelwise])
     scenes = [scene_dir / "scene.tif"]
     options = segment_module.SegmentOptions((64, 96), 0.25)
-    write = geo.write_geotiff_rows
-    monkeypatch.setattr(geo, "write_geotiff_rows", lambda *a: (time.sleep(0.1), write(*a)))
+    write, writes = geo.write_geotiff_rows, []
+    monkeypatch.setattr(geo, "write_geotiff_rows", lambda *a: (writes.append(time.sleep(0.1)), write(*a)))
     clock, start = StageClock(), time.perf_counter()
     assert segment_module.segment_scenes(scenes, ensemble, tmp_path / "a", options, clock=clock) == 0
     wall = time.perf_counter() - start
-    rows = 150 // segment_module.RELEASE_ROWS + 1  # bands of rows written
-    assert clock.bound_by() == "write" and rows * 0.1 <= clock.seconds["write"] < wall
+    assert len(writes) >= 150 // geo.OUTPUT_STRIP_ROWS  # the whole strips written
+    assert clock.bound_by() == "write" and len(writes) * 0.1 <= clock.seconds["write"] < wall
     assert all(clock.seconds[stage] > 0 for stage in ("read", "to device", "model", "blend", "encode"))
     assert clock.seconds["wait for writes"] > 0.05  # the main thread waited on the slow writer
     monkeypatch.setattr(geo, "write_geotiff_rows", write)

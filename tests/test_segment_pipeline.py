@@ -21,6 +21,13 @@ rasterio = pytest.importorskip("rasterio")
 OPTIONS = segment_module.SegmentOptions((64, 96), 0.25)
 
 
+@pytest.fixture(autouse=True)
+def small_strips(monkeypatch):
+    """Output strips of 16 rows, as these tests' scenes were sized for (20 strips of a 320-row map,
+    5 of segment's 64): a failed write shows before the reads ahead are done with the scene."""
+    monkeypatch.setattr(geo, "OUTPUT_STRIP_ROWS", 16)
+
+
 @pytest.fixture
 def scenes(tmp_path):
     """Three 320×230 GeoTIFF scenes, a.tif, b.tif and c.tif (5 rows of windows each)."""
