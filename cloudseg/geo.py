@@ -21,6 +21,7 @@ import itertools
 import math
 import os
 import re
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -467,7 +468,7 @@ _compressors = threading.local()
 # 0.86 CPU s where zlib in our threads took 1.22 for the same maps (2-core VM, 2026-11-27).
 STRIP_ENCODERS = {"zstd": zstd_strip}
 # Uncompressed rows handed to the threads and not yet compressed, at most: a writer ahead of them waits.
-PENDING_BYTES = 256 << 20
+PENDING_BYTES = 64 << 20
 
 
 class CompressedStrips:
@@ -475,18 +476,19 @@ class CompressedStrips:
     WRITE_THREADS threads as their rows come, then laid out in the file by tifffile once all are
     in (a band's strips lie together: each band's come last for the first). Why not GDAL's writer:
     it compresses in threads too, but one thread copies every block into its cache and again into
-    its compression job, and on an H100's 16 cores that thread bounded segment (2.9 GB/s, the
-    compression itself 2 CPU s of 16 cores; BENCHMARKS.md, 2026-11-27 evening). Here the threads
-    read the rows where they lie. Holds the compressed map until the end (a 7000×18000 map of
-    eight bands of smooth probabilities: about 100 MB of its 1 GB)."""
+    its compression job, and on an H100's 16 cores that thread bounded segment (0.67 s for row c's
+    two maps, ours 0.15; BENCHMARKS.md, 2026-11-27, night). Here the threads read the rows where
+    they lie. The compressed strips wait in a spool beside the map (an unnamed file, gone when
+    closed) until it is laid out: memory holds at most PENDING_BYTES of rows, never the map."""
 
     def __init__(self, path: Path, shape: tuple[int, int, int], compress: str, published: Path | None = None):
         self.path, self.shape, self.compress = path, shape, compress
         self.published = published or path  # the name errors give: the map's, not its temporary file's
         self.name, self.closed = str(path), False  # as a rasterio dataset's: the file written, and whether closed
         self.pool = concurrent.futures.ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cloudseg-compress")
-        self.strips: dict[tuple[int, int], concurrent.futures.Future] = {}  # (band, strip) -> its bytes
-        self.pending, self.pending_bytes = collections.deque(), 0  # (future, rows' bytes), oldest first
+        self.pending, self.pending_bytes = collections.deque(), 0  # ((band, strip), future, rows' bytes), oldest first
+        self.places: dict[tuple[int, int], tuple[int, int]] = {}  # (band, strip) -> (offset, length) in the spool
+        self.spool = tempfile.TemporaryFile(dir=path.parent)
 
     def write(self, top: int, bands: np.ndarray) -> None:
         """The rows of every band from `top`, a strip's first row, in whole strips (the map's last
@@ -500,14 +502,30 @@ class CompressedStrips:
         for band, rows in enumerate(bands):
             for start in range(0, rows.shape[0], OUTPUT_STRIP_ROWS):
                 strip = np.ascontiguousarray(rows[start:start + OUTPUT_STRIP_ROWS])  # a view where it already is
-                future = self.pool.submit(STRIP_ENCODERS[self.compress], strip)
-                self.strips[band, (top + start) // OUTPUT_STRIP_ROWS] = future
-                self.pending.append((future, strip.nbytes))
+                key = (band, (top + start) // OUTPUT_STRIP_ROWS)
+                self.pending.append((key, self.pool.submit(STRIP_ENCODERS[self.compress], strip), strip.nbytes))
                 self.pending_bytes += strip.nbytes
-        while self.pending_bytes > PENDING_BYTES:
-            future, nbytes = self.pending.popleft()
-            concurrent.futures.wait([future])
+        self.spill()
+
+    def spill(self, everything: bool = False) -> None:
+        """Append the compressed strips to the spool, oldest first: those done, and more (waiting
+        for them) while over PENDING_BYTES of rows are pending, or all with `everything`."""
+        while self.pending and (everything or self.pending_bytes > PENDING_BYTES or self.pending[0][1].done()):
+            key, future, nbytes = self.pending.popleft()
+            compressed = future.result()
+            with self.disk_errors():
+                self.places[key] = (self.spool.tell(), len(compressed))
+                self.spool.write(compressed)
             self.pending_bytes -= nbytes
+
+    @contextlib.contextmanager
+    def disk_errors(self):
+        """An OSError (a full disk, a file-size limit; Python's names no file) as one naming the map."""
+        try:
+            yield
+        except OSError as error:
+            raise OSError(f"{self.published}: the map could not be written whole ({error}): is the disk full?") \
+                from None
 
     def __enter__(self):
         return self
@@ -519,23 +537,24 @@ class CompressedStrips:
                 self.lay_out()
         finally:
             self.pool.shutdown(cancel_futures=True)
+            self.spool.close()
             self.closed = True
 
     def lay_out(self) -> None:
+        self.spill(everything=True)
         bands, height, width = self.shape
-        per_band = -(-height // OUTPUT_STRIP_ROWS)
-        missing = [key for key in itertools.product(range(bands), range(per_band)) if key not in self.strips]
+        keys = list(itertools.product(range(bands), range(-(-height // OUTPUT_STRIP_ROWS))))
+        missing = [key for key in keys if key not in self.places]
         if missing:
-            raise RuntimeError(f"{self.published}: band {missing[0][0] + 1}'s rows from {missing[0][1] * OUTPUT_STRIP_ROWS} "
-                               "were never written")
-        compressed = (self.strips.pop(key).result() for key in itertools.product(range(bands), range(per_band)))
-        try:
+            raise RuntimeError(f"{self.published}: band {missing[0][0] + 1}'s rows from "
+                               f"{missing[0][1] * OUTPUT_STRIP_ROWS} were never written")
+        with self.disk_errors():
+            self.spool.flush()
+            spooled = (os.pread(self.spool.fileno(), self.places[key][1], self.places[key][0]) for key in keys)
             geo_module("tifffile").imwrite(
-                self.path, data=compressed, shape=self.shape if bands > 1 else self.shape[1:], dtype=np.uint8,
+                self.path, data=spooled, shape=self.shape if bands > 1 else self.shape[1:], dtype=np.uint8,
                 planarconfig="separate" if bands > 1 else None, photometric="minisblack",
                 rowsperstrip=OUTPUT_STRIP_ROWS, compression=self.compress, metadata=None)
-        except OSError as error:  # a full disk, a file-size limit: Python's error names no file
-            raise OSError(f"{self.published}: the map could not be written whole ({error}): is the disk full?") from None
 
 
 def georeference(path: Path, scene: GeoTiffScene, names: list[str]) -> None:

@@ -229,17 +229,18 @@ def compressed_scene(tmp_path, height=150, width=230):
 def test_compressed_strips_wait_while_their_threads_are_behind_and_lay_out_every_strip(tmp_path, monkeypatch):
     """CPU. geo.CompressedStrips with slow compression (20 ms a strip, 3 threads) and room for 4
     strips of rows pending. Would catch: a writer that never waits (the rows of a whole map held
-    for threads far behind), strips compressed in the writer's thread alone, or strips laid out
-    out of place (the file read back must equal the bands)."""
+    for threads far behind), strips compressed in the writer's thread alone, strips laid out out
+    of place (the file read back must equal the bands), or a spool left beside the map."""
     scene, path = compressed_scene(tmp_path)
     strip_bytes = geo.OUTPUT_STRIP_ROWS * scene.width
     monkeypatch.setattr(geo, "PENDING_BYTES", 4 * strip_bytes)
     monkeypatch.setattr(geo, "WRITE_THREADS", 3)
-    threads, zstd = set(), geo.STRIP_ENCODERS["zstd"]
+    threads, compressed, zstd = set(), [], geo.STRIP_ENCODERS["zstd"]
 
     def slow(strip):
         threads.add(threading.get_ident())
         time.sleep(0.02)
+        compressed.append(strip.nbytes)
         return zstd(strip)
 
     monkeypatch.setitem(geo.STRIP_ENCODERS, "zstd", slow)
@@ -248,10 +249,11 @@ def test_compressed_strips_wait_while_their_threads_are_behind_and_lay_out_every
     with geo.geotiff_writer(path, scene, ("probs",), "zstd") as out:
         for top in range(0, scene.height, geo.OUTPUT_STRIP_ROWS):  # whole strips, as WholeStrips hands them
             out.write(top, bands[:, top:top + geo.OUTPUT_STRIP_ROWS])
-            pending.append(sum(min(geo.OUTPUT_STRIP_ROWS, scene.height - strip * geo.OUTPUT_STRIP_ROWS) * scene.width
-                               for (_, strip), future in out.strips.items() if not future.done()))
+            handed = bands[:, :top + geo.OUTPUT_STRIP_ROWS].nbytes
+            pending.append(handed - sum(compressed))  # rows handed to the threads and not yet compressed
     assert max(pending) <= 4 * strip_bytes and max(pending) > 0  # waited for the threads, which were behind
     assert len(threads) > 1 and threading.get_ident() not in threads
+    assert [file.name for file in tmp_path.iterdir()] == ["map.tif"]
     with rasterio.open(path) as written:
         assert written.compression.name.lower() == "zstd" and np.array_equal(written.read(), bands)
         assert written.block_shapes[0] == (geo.OUTPUT_STRIP_ROWS, scene.width)
