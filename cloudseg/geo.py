@@ -392,6 +392,8 @@ def check_codec(compress: str, writable: bool = True) -> None:
         raise ValueError(f"--compress {compress}: not a codec of segment (choose from {', '.join(CODECS)})")
     if not writable:
         return
+    if compress in STRIP_ENCODERS:  # written by our threads: their libraries missing is a one-line error now
+        geo_module("zstandard"), geo_module("tifffile")
     rasterio = geo_module("rasterio")
     try:
         with rasterio.io.MemoryFile() as memory:
@@ -458,7 +460,7 @@ def zstd_strip(strip: np.ndarray) -> bytes:
     """A strip as TIFF's ZSTD (50000) holds it: one Zstandard frame, level 1 as CODECS says."""
     compressor = getattr(_compressors, "zstd", None)  # one a thread: a compressor is not thread-safe
     if compressor is None:
-        compressor = _compressors.zstd = importlib.import_module("zstandard").ZstdCompressor(level=1)
+        compressor = _compressors.zstd = geo_module("zstandard").ZstdCompressor(level=1)
     return compressor.compress(strip)
 
 

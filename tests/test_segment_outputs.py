@@ -4,6 +4,7 @@
 import json
 import logging
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -321,6 +322,25 @@ def test_bad_outputs_or_codec_is_one_line_naming_the_option(tiny_ensemble, scene
                                          r"cannot write it .*; choose another of .*deflate"):
         geo.check_codec(geo.DEFAULT_CODEC)
     geo.check_codec.cache_clear()
+
+
+@pytest.mark.parametrize("library", ["zstandard", "tifffile"])
+def test_a_missing_library_of_our_writer_is_one_line_before_any_work(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
+                                                                      capsys, library):
+    """CPU, the library hidden from imports. Would catch: a missing python-zstandard or tifffile
+    found only once a scene's first strip is compressed or its map laid out (a scene failed after
+    its mapping, with a bare ImportError from a worker thread), instead of the geo extra named."""
+    checkpoint, _ = tiny_ensemble
+    monkeypatch.setitem(sys.modules, library, None)  # import raises ImportError
+    geo.check_codec.cache_clear()
+    try:
+        assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", tmp_path / "out") == 2
+    finally:
+        geo.check_codec.cache_clear()
+    error = capsys.readouterr().err.strip()
+    assert error == (f"cloudseg: error: {library} is not installed: GeoTIFF scenes and --grid need the geo extra "
+                     "(pip install cloudseg[geo])")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("option", [["--grid", "0"], ["--grid", "-1"], ["--grid", "nan"], ["--grid", "181"],
