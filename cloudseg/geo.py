@@ -34,6 +34,7 @@ import torch
 from cloudseg.data import jpeg_frame, read_image, read_jpeg_bytes
 from cloudseg.decode import decode_jpegs
 from cloudseg.files import atomic_path, new_hidden_file
+from cloudseg.hardware import usable_cores
 from cloudseg.syncs import named_sync
 from cloudseg.task import LABELS
 
@@ -353,7 +354,7 @@ CODECS = {"deflate": dict(compress="deflate", zlevel=1), "zstd": dict(compress="
 # 16 cores it took segment's row c from 121.7 to 156.2 megapixels/s with under half the CPU (7.2 against
 # 16.7 s; BENCHMARKS.md, 2026-11-27). deflate for readers without it (a plain libtiff, MATLAB).
 DEFAULT_CODEC = "zstd"
-WRITE_THREADS = os.cpu_count() or 1  # threads compressing a map's strips (ours, or GDAL's NUM_THREADS)
+WRITE_THREADS = usable_cores()  # threads compressing a map's strips (ours, or GDAL's NUM_THREADS)
 # Each band stored apart (INTERLEAVE=BAND), not the 8 bands pixel by pixel (a COG keeps its driver's
 # default): deflate then sees one smooth band at a time and GDAL skips the interleaving copy. Eight
 # 2800x9000 bands of smooth probabilities and their masks, deflate, 2 cores: 0.66 s and 42 MB
@@ -439,6 +440,7 @@ def gdal_geotiff(path: Path, tmp: Path, scene: GeoTiffScene, names: list[str], c
     profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(names), dtype="uint8",
                    crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
                    interleave=INTERLEAVE, num_threads=WRITE_THREADS, BIGTIFF="IF_SAFER",
+                   photometric="minisblack",  # as ours: else GDAL calls 3 bands RGB, 4 RGBA (a probability as alpha)
                    **CODECS["none" if cog else compress])
     strips = new_hidden_file(path) if cog else tmp  # with `cog`, the rows go to a file of strips first
     try:
@@ -469,8 +471,14 @@ _compressors = threading.local()
 # their names for tifffile; the others are GDAL's (`gdal_geotiff`). Not deflate: GDAL's libdeflate took
 # 0.86 CPU s where zlib in our threads took 1.22 for the same maps (2-core VM, 2026-11-27).
 STRIP_ENCODERS = {"zstd": zstd_strip}
-# Uncompressed rows handed to the threads and not yet compressed, at most: a writer ahead of them waits.
+# Strips handed to the threads and not yet compressed, at most (their rows' bytes): a writer ahead of
+# them waits. The strips are views of the rows given to `CompressedStrips.write`, which they keep
+# whole meanwhile: the newest ones, the last release or two of a GPU's (1050 rows of eight bands of
+# 18000 pixels: 151 MB).
 PENDING_BYTES = 64 << 20
+# Compressed bytes above which a map is laid out as a BigTIFF (tifffile decides so only for
+# uncompressed data): classic TIFF's 32-bit offsets, less tifffile's own margin for its directories.
+CLASSIC_TIFF_BYTES = 2**32 - 2**25
 
 
 class CompressedStrips:
@@ -481,7 +489,8 @@ class CompressedStrips:
     its compression job, and on an H100's 16 cores that thread bounded segment (0.67 s for row c's
     two maps, ours 0.15; BENCHMARKS.md, 2026-11-27, night). Here the threads read the rows where
     they lie. The compressed strips wait in a spool beside the map (an unnamed file, gone when
-    closed) until it is laid out: memory holds at most PENDING_BYTES of rows, never the map."""
+    closed) until it is laid out: memory holds the rows of the strips not yet compressed (at most
+    PENDING_BYTES of strips, and the releases they belong to), never the map."""
 
     def __init__(self, path: Path, shape: tuple[int, int, int], compress: str, published: Path | None = None):
         self.path, self.shape, self.compress = path, shape, compress
@@ -514,7 +523,10 @@ class CompressedStrips:
         for them) while over PENDING_BYTES of rows are pending, or all with `everything`."""
         while self.pending and (everything or self.pending_bytes > PENDING_BYTES or self.pending[0][1].done()):
             key, future, nbytes = self.pending.popleft()
-            compressed = future.result()
+            try:
+                compressed = future.result()
+            except Exception as error:  # noqa: BLE001 -- a MemoryError, say: named, as the map's
+                raise RuntimeError(f"{self.published}: a strip could not be compressed ({error!r})") from error
             with self.disk_errors():
                 self.places[key] = (self.spool.tell(), len(compressed))
                 self.spool.write(compressed)
@@ -556,7 +568,8 @@ class CompressedStrips:
             geo_module("tifffile").imwrite(
                 self.path, data=spooled, shape=self.shape if bands > 1 else self.shape[1:], dtype=np.uint8,
                 planarconfig="separate" if bands > 1 else None, photometric="minisblack",
-                rowsperstrip=OUTPUT_STRIP_ROWS, compression=self.compress, metadata=None)
+                rowsperstrip=OUTPUT_STRIP_ROWS, compression=self.compress, metadata=None,
+                bigtiff=self.spool.tell() > CLASSIC_TIFF_BYTES)
 
 
 def georeference(path: Path, scene: GeoTiffScene, names: list[str]) -> None:

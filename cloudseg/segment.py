@@ -31,7 +31,6 @@ import glob
 import json
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ from tqdm import tqdm
 
 from cloudseg import distributed, geo
 from cloudseg.files import atomic_path, new_hidden_file, published_together
-from cloudseg.hardware import resolve_device
+from cloudseg.hardware import resolve_device, usable_cores
 from cloudseg.predict import Ensemble, ensemble_native, load_ensemble, no_data
 from cloudseg.stages import StageClock
 from cloudseg.task import LABELS
@@ -71,7 +70,7 @@ WRITE_QUEUE_BYTES = 2**30
 # cores, with the maps' strips compressed in our threads, 4, 8 and 12 read the no-model row f at
 # 362, 526 and 546 megapixels/s, row c at 231, 215 and 223 (there the GPU bounds it; BENCHMARKS.md,
 # 2026-11-27, night). On a CPU one batch ahead, as the model's own threads take the cores.
-READ_AHEAD = max(1, min(8, (os.cpu_count() or 1) // 2))
+READ_AHEAD = max(1, min(8, usable_cores() // 2))
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
 

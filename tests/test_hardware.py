@@ -17,7 +17,7 @@ from cloudseg import hardware
 from cloudseg.cli import main
 from cloudseg.hardware import (
     autocast_dtype, has_kernels, needs_grad_scaler, precision_for_capability, require_usable_device,
-    resolve_device, resolve_precision, speed_switches,
+    resolve_device, resolve_precision, speed_switches, usable_cores,
 )
 from tests.fake_cuda import A100, CU13_ARCHS, CU126_ARCHS, GTX_1080_TI, RTX_2080_TI, Card
 
@@ -297,3 +297,14 @@ def test_doctor_flags_a_gpu_the_wheel_has_no_kernels_for(tmp_path, monkeypatch, 
     assert "has no kernels in PyTorch" in out and "make install TORCH_BACKEND=cu126" in out
     assert "train.device=auto uses: nothing, training refuses to start" in out
     assert "cuDNN unusable here (cuDNN version 92600 is not compatible with devices with SM < 7.5)" in out
+
+
+def test_usable_cores_are_the_process_s_affinity_not_the_machine_s(monkeypatch):
+    """CPU. Would catch: os.cpu_count() (every core of the machine) where the process may run on
+    fewer (taskset, a Slurm job, a container's cpuset): segment would start a compression thread
+    and a read ahead per core it cannot use."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert usable_cores() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS and Windows keep none
+    assert usable_cores() == 64

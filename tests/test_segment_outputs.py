@@ -280,6 +280,50 @@ def test_compressed_strips_refuse_rows_off_their_strips_and_name_the_rows_never_
     assert list(tmp_path.iterdir()) == []  # neither the map nor its temporary file
 
 
+def test_compressed_strips_name_the_map_when_a_strip_fails_and_leave_no_thread_or_file(tmp_path, monkeypatch):
+    """CPU. Would catch: a compression thread's error (a MemoryError) raised bare, naming no map,
+    or the pool's threads and the spool left behind after it."""
+    scene, path = compressed_scene(tmp_path)
+
+    def failing(strip):
+        raise MemoryError("no room for a strip")
+
+    monkeypatch.setitem(geo.STRIP_ENCODERS, "zstd", failing)
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match=r"map\.tif: a strip could not be compressed \(MemoryError"):
+        with geo.geotiff_writer(path, scene, ("classbits",)) as out:
+            geo.write_geotiff_rows(out, 0, np.zeros((1, scene.height, scene.width), np.uint8))
+    assert out.closed and out.spool.closed and threading.active_count() == before
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bigtiff", [False, True])
+def test_a_map_whose_compressed_strips_outgrow_classic_tiff_is_a_bigtiff(tmp_path, monkeypatch, bigtiff):
+    """CPU, the classic TIFF's limit lowered to 0 bytes for the BigTIFF case. Would catch: the
+    layout left to tifffile, which counts an iterator of compressed strips as no data and writes
+    a classic TIFF whose 32-bit offsets fail past 4 GB (a struct.error at the very end of a map)."""
+    if bigtiff:
+        monkeypatch.setattr(geo, "CLASSIC_TIFF_BYTES", 0)
+    scene, path = compressed_scene(tmp_path)
+    bands = np.random.default_rng(1).integers(0, 255, (8, scene.height, scene.width), dtype=np.uint8)
+    with geo.geotiff_writer(path, scene) as out:
+        geo.write_geotiff_rows(out, 0, bands)
+    assert path.read_bytes()[2:4] == (b"\x2b\x00" if bigtiff else b"\x2a\x00")  # TIFF 43: BigTIFF; 42: classic
+    with rasterio.open(path) as written:
+        assert np.array_equal(written.read(), bands) and written.crs.to_epsg() == 4326
+
+
+@pytest.mark.parametrize("compress", ["zstd", "deflate", "lerc", "none"])
+def test_four_bands_are_grey_and_undefined_not_rgba_in_every_codec(tmp_path, compress):
+    """CPU. Would catch: GDAL's default for four uint8 bands (RGBA: viewers would draw the fourth
+    probability, Sugar's, as transparency) in the codecs GDAL writes, against ours for ZSTD."""
+    scene, path = compressed_scene(tmp_path)
+    with geo.geotiff_writer(path, scene, ("probs",), compress) as out:
+        geo.write_geotiff_rows(out, 0, np.zeros((4, scene.height, scene.width), np.uint8))
+    with rasterio.open(path) as written:
+        assert [interp.name for interp in written.colorinterp] == ["gray", "undefined", "undefined", "undefined"]
+
+
 def test_a_tiling_off_the_strips_maps_the_same_bands_as_writing_each_release(tiny_ensemble, scene_dir, tmp_path,
                                                                            monkeypatch):
     """CPU. Windows 60x90 at overlap 0.25 release rows from 45, 90, ... (no multiple of the 16-row
