@@ -568,7 +568,7 @@ class CompressedStrips:
             geo_module("tifffile").imwrite(
                 self.path, data=spooled, shape=self.shape if bands > 1 else self.shape[1:], dtype=np.uint8,
                 planarconfig="separate" if bands > 1 else None, photometric="minisblack",
-                rowsperstrip=OUTPUT_STRIP_ROWS, compression=self.compress, metadata=None,
+                rowsperstrip=OUTPUT_STRIP_ROWS, compression=self.compress, metadata=None, software=False,
                 bigtiff=self.spool.tell() > CLASSIC_TIFF_BYTES)
 
 
