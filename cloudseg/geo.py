@@ -484,7 +484,7 @@ CLASSIC_TIFF_BYTES = 2**32 - 2**25
 class CompressedStrips:
     """A GeoTIFF's strips (`shape` bands × height × width, uint8, each band apart) compressed in
     WRITE_THREADS threads as their rows come, then laid out in the file by tifffile once all are
-    in (a band's strips lie together: each band's come last for the first). Why not GDAL's writer:
+    in (each band's strips together, band after band). Why not GDAL's writer:
     it compresses in threads too, but one thread copies every block into its cache and again into
     its compression job, and on an H100's 16 cores that thread bounded segment (0.67 s for row c's
     two maps, ours 0.15; BENCHMARKS.md, 2026-11-27, night). Here the threads read the rows where
@@ -541,6 +541,10 @@ class CompressedStrips:
             raise OSError(f"{self.published}: the map could not be written whole ({error}): is the disk full?") \
                 from None
 
+    def read_back(self, offset: int, length: int) -> bytes:
+        self.spool.seek(offset)
+        return self.spool.read(length)
+
     def __enter__(self):
         return self
 
@@ -555,6 +559,7 @@ class CompressedStrips:
             self.closed = True
 
     def lay_out(self) -> None:
+        """Every strip compressed and spooled, then written from the spool in the file's order."""
         self.spill(everything=True)
         bands, height, width = self.shape
         keys = list(itertools.product(range(bands), range(-(-height // OUTPUT_STRIP_ROWS))))
@@ -563,13 +568,13 @@ class CompressedStrips:
             raise RuntimeError(f"{self.published}: band {missing[0][0] + 1}'s rows from "
                                f"{missing[0][1] * OUTPUT_STRIP_ROWS} were never written")
         with self.disk_errors():
-            self.spool.flush()
-            spooled = (os.pread(self.spool.fileno(), self.places[key][1], self.places[key][0]) for key in keys)
+            size = self.spool.tell()  # the spool's end: every strip is in it
+            spooled = (self.read_back(*self.places[key]) for key in keys)
             geo_module("tifffile").imwrite(
                 self.path, data=spooled, shape=self.shape if bands > 1 else self.shape[1:], dtype=np.uint8,
                 planarconfig="separate" if bands > 1 else None, photometric="minisblack",
                 rowsperstrip=OUTPUT_STRIP_ROWS, compression=self.compress, metadata=None, software=False,
-                bigtiff=self.spool.tell() > CLASSIC_TIFF_BYTES)
+                bigtiff=size > CLASSIC_TIFF_BYTES)
 
 
 def georeference(path: Path, scene: GeoTiffScene, names: list[str]) -> None:
