@@ -19,7 +19,6 @@ import functools
 import importlib
 import itertools
 import math
-import os
 import re
 import tempfile
 import threading
