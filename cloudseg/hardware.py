@@ -48,11 +48,11 @@ NVIDIA_PROC = Path("/proc/driver/nvidia")  # the kernel driver's view, present e
 # ---------------------------------------------------------------------------------- device
 
 
-
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity where the OS keeps one (taskset, a
     Slurm job, a container's cpuset), not every core of the machine as os.cpu_count() counts."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 def resolve_device(name: str) -> torch.device:
     """`auto` -> cuda when PyTorch can use a GPU, else cpu; a GPU this build has no kernels for is an error.

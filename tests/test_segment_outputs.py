@@ -113,16 +113,21 @@ def file_size_limit():
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+def bare_scene(tmp_path, height=150, width=230):
+    """A scene of only the four fields geotiff_writer reads, and the path of its map in `tmp_path`."""
+    scene = geo.GeoTiffScene.__new__(geo.GeoTiffScene)
+    scene.height, scene.width = height, width
+    scene.crs, scene.transform = "EPSG:4326", rasterio.Affine(0.1, 0, 0, 0, -0.1, 0)
+    return scene, tmp_path / "map.tif"
+
+
 @pytest.mark.parametrize("cog", [False, True], ids=["strips", "cog"])
 def test_a_geotiff_cut_short_is_refused_naming_its_map(tmp_path, cog):
     """CPU. geo.check_whole against the file geo.geotiff_writer wrote, whole and cut short at
     several places. Would catch: a check that only opens the file (a file cut after its header
     opens: only its blocks' places tell), one of the first band or the last block alone, or an
     error that names the temporary file, not the map."""
-    scene = geo.GeoTiffScene.__new__(geo.GeoTiffScene)  # the four fields geotiff_writer reads
-    scene.height, scene.width = 150, 230
-    scene.crs, scene.transform = "EPSG:4326", rasterio.Affine(0.1, 0, 0, 0, -0.1, 0)
-    written = tmp_path / "map.tif"
+    scene, written = bare_scene(tmp_path)
     with geo.geotiff_writer(written, scene, cog=cog) as out:
         geo.write_geotiff_rows(out, 0, np.concatenate([smooth_scene(150, 230, seed).transpose(2, 0, 1)
                                                        for seed in range(3)])[:8])
@@ -219,20 +224,12 @@ def test_whole_strips_refuse_rows_out_of_order_and_tell_rows_never_written(monke
         strips.check_complete()
 
 
-def compressed_scene(tmp_path, height=150, width=230):
-    """The four fields geotiff_writer reads of a scene, and its path."""
-    scene = geo.GeoTiffScene.__new__(geo.GeoTiffScene)
-    scene.height, scene.width = height, width
-    scene.crs, scene.transform = "EPSG:4326", rasterio.Affine(0.1, 0, 0, 0, -0.1, 0)
-    return scene, tmp_path / "map.tif"
-
-
 def test_compressed_strips_wait_while_their_threads_are_behind_and_lay_out_every_strip(tmp_path, monkeypatch):
     """CPU. geo.CompressedStrips with slow compression (20 ms a strip, 3 threads) and room for 4
     strips of rows pending. Would catch: a writer that never waits (the rows of a whole map held
     for threads far behind), strips compressed in the writer's thread alone, strips laid out out
     of place (the file read back must equal the bands), or a spool left beside the map."""
-    scene, path = compressed_scene(tmp_path)
+    scene, path = bare_scene(tmp_path)
     strip_bytes = geo.OUTPUT_STRIP_ROWS * scene.width
     monkeypatch.setattr(geo, "PENDING_BYTES", 4 * strip_bytes)
     monkeypatch.setattr(geo, "WRITE_THREADS", 3)
@@ -265,7 +262,7 @@ def test_compressed_strips_refuse_rows_off_their_strips_and_name_the_rows_never_
     shifted), a strip cut short inside the map, or a map laid out with strips missing (tifffile
     would stop at a missing key with a bare KeyError, or write a map with rows never given)."""
     strip = geo.OUTPUT_STRIP_ROWS
-    scene, path = compressed_scene(tmp_path, height=2 * strip + strip // 2)
+    scene, path = bare_scene(tmp_path, height=2 * strip + strip // 2)
     rows = np.zeros((1, strip, scene.width), np.uint8)
     with pytest.raises(ValueError, match=rf"map\.tif: rows 8 to {strip + 8} of {scene.height} are no whole strips"):
         with geo.geotiff_writer(path, scene, ("classbits",)) as out:
@@ -283,7 +280,7 @@ def test_compressed_strips_refuse_rows_off_their_strips_and_name_the_rows_never_
 def test_compressed_strips_name_the_map_when_a_strip_fails_and_leave_no_thread_or_file(tmp_path, monkeypatch):
     """CPU. Would catch: a compression thread's error (a MemoryError) raised bare, naming no map,
     or the pool's threads and the spool left behind after it."""
-    scene, path = compressed_scene(tmp_path)
+    scene, path = bare_scene(tmp_path)
 
     def failing(strip):
         raise MemoryError("no room for a strip")
@@ -304,7 +301,7 @@ def test_a_map_whose_compressed_strips_outgrow_classic_tiff_is_a_bigtiff(tmp_pat
     a classic TIFF whose 32-bit offsets fail past 4 GB (a struct.error at the very end of a map)."""
     if bigtiff:
         monkeypatch.setattr(geo, "CLASSIC_TIFF_BYTES", 0)
-    scene, path = compressed_scene(tmp_path)
+    scene, path = bare_scene(tmp_path)
     bands = np.random.default_rng(1).integers(0, 255, (8, scene.height, scene.width), dtype=np.uint8)
     with geo.geotiff_writer(path, scene) as out:
         geo.write_geotiff_rows(out, 0, bands)
@@ -317,7 +314,7 @@ def test_a_map_whose_compressed_strips_outgrow_classic_tiff_is_a_bigtiff(tmp_pat
 def test_four_bands_are_grey_and_undefined_not_rgba_in_every_codec(tmp_path, compress):
     """CPU. Would catch: GDAL's default for four uint8 bands (RGBA: viewers would draw the fourth
     probability, Sugar's, as transparency) in the codecs GDAL writes, against ours for ZSTD."""
-    scene, path = compressed_scene(tmp_path)
+    scene, path = bare_scene(tmp_path)
     with geo.geotiff_writer(path, scene, ("probs",), compress) as out:
         geo.write_geotiff_rows(out, 0, np.zeros((4, scene.height, scene.width), np.uint8))
     with rasterio.open(path) as written:
