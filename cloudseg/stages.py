@@ -31,11 +31,17 @@ class StageClock:
     def __init__(self):
         self.per_thread: collections.Counter[tuple[str, int]] = collections.Counter()  # by (stage, thread)
         self.spans: dict[str, tuple[float, float]] = {}  # stage -> (its first start, its last end): perf_counter
+        # (perf_counter, the process's CPU seconds) at the first stage's start and at the last one's end, for `cores`
+        self.first_start: tuple[float, float] | None = None
+        self.last_end: tuple[float, float] | None = None
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
         start = time.perf_counter()
+        if self.first_start is None and stage in ORDER:
+            with self.lock:
+                self.first_start = self.first_start or (start, time.process_time())
         try:
             yield
         finally:
@@ -50,6 +56,8 @@ class StageClock:
             self.per_thread[stage, threading.get_ident()] += seconds
             first, last = self.spans.get(stage, (end - seconds, end))
             self.spans[stage] = (min(first, end - seconds), max(last, end))
+            if stage in ORDER:
+                self.last_end = (end, time.process_time())
 
     def timed(self) -> list[tuple[tuple[str, int], float]]:
         """((stage, thread), seconds) so far, read under the lock (other threads still add)."""
@@ -77,10 +85,11 @@ class StageClock:
 
     def timeline(self) -> str:
         """E.g. `from the first read: read 0.00 to 1.95 s · model 0.10 to 1.98 · encode 0.30 to 2.05 ·
-        write 0.32 to 2.18`: each stage's first start and last end, in seconds from the first read's start
-        (or the first stage's): how long the pipeline takes to fill (the first write comes late)
-        and to drain (the writes end long after the model's), which the seconds summed per stage
-        cannot tell."""
+        write 0.32 to 2.18; 7.9 cores busy (17.2 CPU s in 2.18 s)`: each stage's first start and last
+        end, in seconds from the first read's start (or the first stage's): how long the pipeline
+        takes to fill (the first write comes late) and to drain (the writes end long after the
+        model's), which the seconds summed per stage cannot tell; then how many cores it kept busy
+        meanwhile (`cores`)."""
         with self.lock:
             spans = {stage: span for stage, span in self.spans.items() if stage in ORDER}  # not the waits
         if not spans:
@@ -88,7 +97,19 @@ class StageClock:
         zero = spans["read"][0] if "read" in spans else min(first for first, _ in spans.values())
         parts = [f"{stage} {spans[stage][0] - zero:.2f} to {spans[stage][1] - zero:.2f}" for stage in ORDER
                  if stage in spans]
-        return f"from the first read: {parts[0]} s" + "".join(f" · {part}" for part in parts[1:])
+        return f"from the first read: {parts[0]} s" + "".join(f" · {part}" for part in parts[1:]) + self.cores()
+
+    def cores(self) -> str:
+        """E.g. `; 7.9 cores busy (9.0 CPU s in 1.14 s)`: the process's CPU seconds over the wall
+        seconds from the first stage's start to the last one's end (the loading before and the
+        summaries after left out; any thread of the process counts), or "" where no stage was timed
+        by `with clock(stage)`."""
+        with self.lock:
+            first, last = self.first_start, self.last_end
+        if first is None or last is None or last[0] <= first[0]:
+            return ""
+        wall, cpu = last[0] - first[0], last[1] - first[1]
+        return f"; {cpu / wall:.1f} cores busy ({cpu:.1f} CPU s in {wall:.2f} s)"
 
     def line(self, gpu: bool = False) -> str:
         """E.g. `stages: read 1.2 s · to device 0.1 · model 3.4 · blend 0.8 · encode 0.3 · write 2.1

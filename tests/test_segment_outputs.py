@@ -497,6 +497,31 @@ def test_the_timeline_gives_each_stage_s_first_start_and_last_end():
     assert spans["write"][0] == pytest.approx(0.05, abs=0.02) and spans["write"][1] == pytest.approx(0.15, abs=0.03)
 
 
+def test_the_timeline_counts_the_cores_busy_from_the_first_stage_to_the_last():
+    """CPU. A stage asleep for 0.2 s, then one busy for 0.2 CPU s in this thread: about 0.2 CPU s
+    in 0.4 s or more, half a core at most (a wait before, not a stage, counts for neither). Would
+    catch: the wall taken from the stages' summed seconds or from the first stage's end (1.0 core),
+    CPU seconds of one thread or of the whole run (the wait's spin), or the waits counted."""
+    clock = StageClock()
+    with clock("wait for reads"):
+        busy(0.2)
+    with clock("read"):
+        time.sleep(0.2)
+    with clock("write"):
+        busy(0.2)
+    cores, cpu, wall = map(float, re.search(r"; (\d+\.\d) cores busy \((\d+\.\d) CPU s in (\d+\.\d\d) s\)$",
+                                            clock.timeline()).groups())
+    assert cpu == pytest.approx(0.2, abs=0.05) and wall >= 0.39 and 0.2 <= cores <= 0.55
+    assert StageClock().cores() == ""
+
+
+def busy(cpu_seconds: float) -> None:
+    """Spin in this thread for `cpu_seconds` of the process's CPU time."""
+    end = time.process_time() + cpu_seconds
+    while time.process_time() < end:
+        pass
+
+
 def test_the_stage_line_reads_as_documented():
     """CPU. Would catch: stages out of the data's order, waits counted as a bound, or an unknown stage
     taken silently (a typo would time nothing)."""
