@@ -412,3 +412,27 @@ def test_tta_unflips_exactly(tta):
     positional = lambda x: ramp - 3.5  # depends on the column only
     expected = sum(torch.sigmoid(ramp - 3.5).flip(d) if d else torch.sigmoid(ramp - 3.5) for d in TTA_FLIPS[tta])
     np.testing.assert_allclose(predict_probs(positional, images, tta=tta), expected / len(TTA_FLIPS[tta]), atol=1e-6)
+
+
+def test_probabilities_are_the_model_s_own_float32_logits_made_sigmoid_in_place():
+    """CPU. Over a model's fresh float32 logits the sigmoid is taken in place: the probabilities
+    are that very tensor, equal to torch.sigmoid of the logits it held; bfloat16 logits are
+    copied to float32 once and left as they were; expanded logits (one value for many pixels) get a
+    tensor of their own. Would catch: a new tensor of the batch's size for the sigmoid (on a CPU its
+    fresh pages cost more than the sigmoid itself), a model's bf16 output overwritten or its
+    probabilities taken at bf16's precision, and an in-place sigmoid over elements that share memory
+    (torch refuses it)."""
+    from cloudseg.predict import predict_probs
+
+    images = torch.zeros((2, 3, 6, 8), dtype=torch.uint8)
+    logits = torch.randn(2, 4, 6, 8)
+    expected = torch.sigmoid(logits)
+    returned = []
+    probs = predict_probs(lambda x: returned.append(logits.clone()) or returned[-1], images)
+    assert probs.data_ptr() == returned[0].data_ptr() and torch.equal(probs, expected)
+    half = logits.bfloat16()
+    probs = predict_probs(lambda x: half, images)
+    assert torch.equal(half, logits.bfloat16()) and torch.equal(probs, torch.sigmoid(half.float()))
+    column = torch.randn(8)
+    probs = predict_probs(lambda x: column.expand(2, 4, 6, 8), images)
+    assert torch.equal(probs, torch.sigmoid(column).expand(2, 4, 6, 8))
