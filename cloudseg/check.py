@@ -6,7 +6,6 @@ Data path: the first two steps, **train.csv → Dataset**, run over everything i
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cloudseg.data import CloudDataset, Problem, jpeg_frame
+from cloudseg.hardware import usable_cores
 from cloudseg.task import IMAGE_SHAPE
 
 HEADER_BYTES = 1 << 16  # a JPEG's frame header sits in its first segments
@@ -25,7 +25,8 @@ def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = Non
 
     Each split's CSV rows and images go through `CloudDataset` in skip mode, so every bad
     row and every unreadable, grayscale/CMYK or wrongly sized image is one Problem. The
-    expected size is `image_size`, or else the size most image headers give.
+    expected size is `image_size`, or else the size most image headers give. Images are read on
+    `workers` threads (default: the cores this process may use).
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -40,7 +41,7 @@ def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = Non
     summary = [f"{data_dir}: expected image size {image_size[0]}x{image_size[1]}"]
     for split, dataset in splits.items():
         dataset.image_size = image_size
-        bad_images = unreadable(dataset, workers or os.cpu_count(), f"checking {split}")
+        bad_images = unreadable(dataset, workers or usable_cores(), f"checking {split}")
         summary.append(f"{split}: {len(dataset)} images with valid rows; {len(dataset.skipped)} bad rows, "
                        f"{len(bad_images)} bad images")
         problems += dataset.skipped + bad_images

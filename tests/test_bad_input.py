@@ -1,6 +1,7 @@
 """Every bad-input case through the CLI: `cloudseg check` reports it, `cloudseg train` stops
 with one line naming the file or row (exit 2), and `data.on_bad_sample=skip` trains around it."""
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -213,6 +214,19 @@ def every_case(data):
     """The dataset with each skippable case in its own image; (image id, named, message) per case."""
     ids = image_ids(data)
     return data, [(image_id, *spoil(data, image_id)) for image_id, spoil in zip(ids[1:], SKIPPABLE)]
+
+
+def test_check_reads_on_the_cores_the_process_may_use(clean_data, monkeypatch):
+    """CPU. Without --workers, check reads on as many threads as the process's CPU affinity allows
+    (taskset, a Slurm job's cpuset), not the machine's cores. Would catch: os.cpu_count() (a
+    2-core job on a 128-core node starting 128 decoding threads)."""
+    from cloudseg import check
+
+    threads = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
+    monkeypatch.setattr(check, "unreadable", lambda dataset, workers, desc: threads.append(workers) or [])
+    check.check_dataset(clean_data)
+    assert threads == [3, 3]  # train, test
 
 
 def test_check_reports_every_case(every_case, capsys):
