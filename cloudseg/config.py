@@ -9,7 +9,7 @@ directory and inside every checkpoint, so inference needs no config file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
@@ -21,7 +21,24 @@ GateScore = Literal["top_k", "head", "score"]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # numbers finite: lr=.inf or a NaN threshold is a slip, not a setting (pydantic takes them by default)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def no_boolean_for_a_number(cls, value, info):
+        """YAML's true or false where a number belongs, alone or in a per-class list: pydantic
+        would take them as 1 and 0."""
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(item, bool) for item in values) and not takes_booleans(
+                cls.model_fields[info.field_name].annotation):
+            raise ValueError("give a number, not true or false")
+        return value
+
+
+def takes_booleans(annotation) -> bool:
+    """Whether a field's type has bool in it (bool, bool | Literal["auto"], tuple[bool, ...])."""
+    return annotation is bool or any(takes_booleans(arg) for arg in get_args(annotation))
 
 
 class DataConfig(Section):

@@ -258,6 +258,11 @@ def test_scheduler_and_optimizer_step_once_per_window(data, tmp_path):
         ("model.norm=layer", "model.norm: .*'batch', 'frozen' or 'group'"),
         ("train.precision=fp8", "train.precision"),
         ("data.image_size=[1400,0]", r"data.image_size.1: .*greater than 0"),  # not after the model is built
+        ("train.epochs=true", r"train.epochs: give a number, not true or false"),  # pydantic alone: 1 epoch
+        ("predict.threshold=false", r"predict.threshold: give a number, not true or false"),  # alone: 0.0 each
+        ("predict.gate=[0.1,0.2,true,0.3]", r"predict.gate: give a number, not true or false"),
+        ("train.lr=.inf", r"train.lr: .*finite number"),  # YAML's infinity
+        ("predict.threshold=.nan", r"predict.threshold.0: .*finite number"),
         ("nonsense", "not of the form"),
     ],
 )
