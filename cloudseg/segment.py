@@ -15,11 +15,11 @@ mask or alpha) get probability 0, are written as nodata and count in no fraction
 
 Where the work runs: the blend, the thresholds and the counts run where the model runs (torch on
 its device); on a GPU only the finished rows' uint8 bands and counts cross to the host, once per
-row of windows, and a JPEG scene is decoded there too. Windows are read ahead in threads, each
-straight into its place in its batch (GDAL and OpenCV release the GIL); rows are encoded
-(`geo.output_bands`: OpenCV on a CPU) and written in another (`Writer`), a ZSTD map's strips
-compressed by threads of ours (`geo.CompressedStrips`; other codecs by GDAL's), and each scene is
-finished there (its last strips compressed, NAME.json) while the next scene is read and mapped.
+row of windows, and a JPEG scene is decoded there too. Windows are read a batch ahead in a
+thread (GDAL and OpenCV release the GIL); rows are encoded (`geo.output_bands`: OpenCV on a CPU)
+and written in another (`Writer`), a ZSTD map's strips compressed by threads of ours
+(`geo.CompressedStrips`; other codecs by GDAL's), and each scene is finished there (its last strips
+compressed, NAME.json) while the next scene is read and mapped.
 """
 
 from __future__ import annotations
@@ -65,13 +65,12 @@ RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their fl
 # of the last one's writes, its encoded rows queued for them, up to WRITE_QUEUE_BYTES (and a strip per file).
 FILES_AT_ONCE = 1
 WRITE_QUEUE_BYTES = 2**30
-# Batches of windows read ahead for a GPU, by as many threads (each with a GDAL handle of its own),
-# window by window (`read_ahead`): a GPU predicts 1400x2100 windows faster than one thread inflates
-# them from a deflated GeoTIFF. Half the cores, at most 8 (a batch of four such windows is 35 MB of
-# pinned memory): on an H100's 16 cores, with the maps' strips compressed in our threads, 4, 8 and 12
-# read the no-model row f at 362, 526 and 546 megapixels/s, row c at 231, 215 and 223 (there the GPU
-# bounds it; BENCHMARKS.md, 2026-11-27, night). On a CPU one batch ahead, in one thread, as the
-# model's own threads take the cores.
+# Batches of windows read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
+# GPU predicts 1400x2100 windows faster than one thread inflates them from a deflated GeoTIFF. Half
+# the cores, at most 8 (a batch of four such windows is 35 MB of pinned memory): on an H100's 16
+# cores, with the maps' strips compressed in our threads, 4, 8 and 12 read the no-model row f at
+# 362, 526 and 546 megapixels/s, row c at 231, 215 and 223 (there the GPU bounds it; BENCHMARKS.md,
+# 2026-11-27, night). On a CPU one batch ahead, as the model's own threads take the cores.
 READ_AHEAD = max(1, min(8, usable_cores() // 2))
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
@@ -181,53 +180,33 @@ class StripBlender:
         self.top = end
 
 
-def new_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> torch.Tensor:
-    """An empty N×3×h×w uint8 batch for the windows `boxes` of `scene`, on the device its windows are
-    read to (pinned with `pin`, where that is the host)."""
+def prefetched(function, items: list, ahead: int = 1):
+    """function(item) for each item, in order, the next `ahead` ones computed meanwhile, each in a
+    thread of its own (reading windows overlaps the model's work, and other reads: GDAL and OpenCV
+    release the GIL; `Writer` overlaps the writing likewise)."""
+    with concurrent.futures.ThreadPoolExecutor(ahead) as pool:
+        pending = collections.deque(pool.submit(function, item) for item in items[:ahead])
+        for index in range(len(items)):
+            result = pending.popleft().result()
+            if index + ahead < len(items):
+                pending.append(pool.submit(function, items[index + ahead]))
+            yield result
+
+
+def read_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The windows `boxes` (top, left, height, width; one size) of `scene` as one N×3×h×w uint8
+    batch, and the file's N×h×w masks of valid pixels (None where the file marks none); in pinned
+    memory with `pin` (a GPU then copies them without a host sync). Each window is read straight
+    into the batch: no copy of the pixels between the file and the pinned memory."""
     _, _, height, width = boxes[0]
-    return torch.empty((len(boxes), 3, height, width), dtype=torch.uint8, device=scene.device,
-                       pin_memory=pin and scene.device.type == "cpu")
-
-
-def batch_masks(masks: list[torch.Tensor | None], pin: bool) -> torch.Tensor | None:
-    """The windows' masks of valid pixels as one N×h×w batch (pinned with `pin`), None where the file marks none."""
+    host = scene.device.type == "cpu"
+    images = torch.empty((len(boxes), 3, height, width), dtype=torch.uint8, device=scene.device,
+                         pin_memory=pin and host)
+    masks = [scene.read(*box, out=image)[1] for box, image in zip(boxes, images)]
     if masks[0] is None:
-        return None
+        return images, None
     masks = torch.stack(masks)
-    return masks.pin_memory() if pin and masks.device.type == "cpu" else masks
-
-
-def read_ahead(scene, batches: list[list[tuple[int, int, int, int]]], pin: bool, ahead: int,
-               clock: StageClock | None = None):
-    """For each batch of windows (boxes: top, left, height, width; one size) of `scene`, in order: its
-    N×3×h×w uint8 batch and the file's N×h×w masks of valid pixels (None where the file marks none),
-    pinned with `pin` (a GPU then copies them without a host sync). The next `ahead` batches are read
-    meanwhile by `ahead` threads (each with a GDAL handle of its own; GDAL and OpenCV release the
-    GIL), window by window, each straight into its place in its batch: no copy between the file and
-    the pinned memory, and a scene's first batch waits for one window's read, not four one after
-    another. Each read's seconds go to `clock`'s "read". Closed early, or after a read's error, the
-    reads not yet begun are dropped and those begun awaited: none is left running on the scene."""
-    clock = clock or StageClock()
-
-    def read(box, image):
-        with clock("read"):
-            return scene.read(*box, out=image)[1]
-
-    pool = concurrent.futures.ThreadPoolExecutor(ahead)
-
-    def start(boxes):
-        images = new_batch(scene, boxes, pin)
-        return images, [pool.submit(read, box, image) for box, image in zip(boxes, images)]
-
-    try:
-        pending = collections.deque(start(boxes) for boxes in batches[:ahead])
-        for index in range(len(batches)):
-            images, reads = pending.popleft()
-            if index + ahead < len(batches):
-                pending.append(start(batches[index + ahead]))
-            yield images, batch_masks([read.result() for read in reads], pin)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    return images, masks.pin_memory() if pin and host else masks
 
 
 def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float, clock: StageClock | None = None):
@@ -244,13 +223,15 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
     weights = window_weights(grid, device)
     release_rows = RELEASE_ROWS if device.type == "cpu" else None  # a GPU hands a row of windows over at once
 
+    def read(batch):
+        boxes = [(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
+        with clock("read"):
+            return read_batch(scene, boxes, pin=device.type == "cuda")
+
     blender, current_row = StripBlender(grid.height, scene.width, scene.height, device), 0
-    boxes = [[(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
-             for batch in batches]
     # closed with this generator: its reads ahead finished before a caller that stops early closes the scene
-    with contextlib.closing(read_ahead(scene, boxes, device.type == "cuda", READ_AHEAD if device.type == "cuda" else 1,
-                                       clock)) as reads:
-        for batch, (images, masks) in zip(batches, timed_items(reads, clock, "wait for reads")):
+    with contextlib.closing(prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)) as read_ahead:
+        for batch, (images, masks) in zip(batches, timed_items(read_ahead, clock, "wait for reads")):
             with clock("to device"):
                 images = images.to(device, non_blocking=True)
                 valid = ~no_data(images)[:, 0]

@@ -729,21 +729,21 @@ def lagging(images):
 
 
 def test_segment_reads_windows_straight_into_pinned_memory(tmp_path):
-    """read_ahead for a GPU (pin) on a GeoTIFF with a nodata value, in threads: each window read
-    into pinned memory itself, the batch and its masks pinned, and equal to the same windows read
-    without pinning. Would catch: windows read into pageable memory and then copied into pinned
-    memory (the copy this saves), a batch left pageable (its copy to the GPU would block the host),
-    or a window lost on the way."""
+    """read_batch for a GPU (pin) on a GeoTIFF with a nodata value: each window read into pinned
+    memory itself, the batch and its masks pinned, and equal to the same windows read without
+    pinning. Would catch: windows read into pageable memory and then copied into pinned memory (the
+    copy this saves), a batch left pageable (its copy to the GPU would block the host), or a window
+    lost on the way."""
     from cloudseg.geo import open_scene
-    from cloudseg.segment import read_ahead
+    from cloudseg.segment import read_batch
 
     pytest.importorskip("rasterio")
     boxes = [(0, 0, 64, 96), (50, 70, 64, 96), (86, 134, 64, 96)]
     with open_scene(gpu_segment_scene(tmp_path)) as scene:
         read, read_into = scene.read, []
         scene.read = lambda *box, out=None: read_into.append(out is not None and out.is_pinned()) or read(*box, out=out)
-        pinned, pinned_masks = next(read_ahead(scene, [boxes], True, 3))
-        pageable, masks = next(read_ahead(scene, [boxes], False, 3))
+        pinned, pinned_masks = read_batch(scene, boxes, pin=True)
+        pageable, masks = read_batch(scene, boxes, pin=False)
     assert read_into[:len(boxes)] == [True] * len(boxes)
     assert pinned.is_pinned() and pinned_masks.is_pinned() and not pageable.is_pinned()
     assert torch.equal(pinned, pageable) and torch.equal(pinned_masks, masks) and not masks.all()

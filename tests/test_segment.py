@@ -3,8 +3,6 @@ lat/lon grid, on small synthetic scenes (models: a tiny untrained UNet, or stand
 output is known by hand)."""
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import cv2
@@ -155,7 +153,8 @@ def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble
     rows would come back on the CPU, or copies to the host show), and any read or blocking copy per
     window (an `.item()`, `.cpu()`, a window's weights sent from pageable memory)."""
     _, ensemble = tiny_ensemble
-    monkeypatch.setattr(segment_module, "read_ahead", read_in_this_thread)
+    monkeypatch.setattr(segment_module, "prefetched",  # a generator, as the real one: blended_rows closes it
+                        lambda function, items, ahead: (function(item) for item in items))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     gpu = stand_in(pixelwise, ensemble.config, batch_size=3)._replace(device=torch.device("cuda", 0))
     with FakeTensorMode(allow_non_fake_inputs=True), HostSyncs() as syncs:
@@ -200,81 +199,25 @@ def test_a_band_stays_as_it_was_yielded_while_the_next_one_is_made(tiny_ensemble
     assert count >= 4  # rows of windows: 4
 
 
-def read_batch(scene, boxes, pin=False):
-    """One batch of windows read by read_ahead, in one thread."""
-    return next(segment_module.read_ahead(scene, [boxes], pin, 1))
-
-
-def read_in_this_thread(scene, batches, pin, ahead, clock):
-    """read_ahead's batches read in the calling thread (a generator, as the real one: blended_rows closes it)."""
-    for boxes in batches:
-        images = segment_module.new_batch(scene, boxes, pin)
-        yield images, segment_module.batch_masks([scene.read(*box, out=image)[1] for box, image in zip(boxes, images)],
-                                                 pin)
-
-
 def test_windows_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gdal_handle(tmp_path):
-    """read_ahead with three batches ahead in three threads, reading a GeoTIFF's windows (as for a
-    GPU): the batches come in order and equal one batch read at a time, and each reading thread
-    has a handle of its own. Would catch: batches or windows out of order (a window read into
-    another's place), a read dropped, and threads sharing one GDAL handle (not safe)."""
+    """prefetched with three batches ahead, reading a GeoTIFF's windows (as for a GPU): the batches
+    come in order and equal a plain read, and each reading thread has a handle of its own. Would
+    catch: results out of order, a read dropped, and threads sharing one GDAL handle (not safe)."""
     from cloudseg.geo import open_scene
 
     path = write_geotiff(tmp_path / "scene.tif", smooth_scene(200, 300), nodata=7)
-    boxes = [[(top, left, 40, 60), (top + 3, left, 40, 60)] for top in range(0, 160, 40) for left in range(0, 240, 60)]
+    boxes = [[(top, left, 40, 60)] for top in range(0, 160, 40) for left in range(0, 240, 60)]
     with open_scene(path) as scene:
-        alone = [read_batch(scene, batch) for batch in boxes]  # each in a thread, and with a handle, of its own
-        before = len(scene.handles)
-        ahead = list(segment_module.read_ahead(scene, boxes, False, 3))
-        handles = len(scene.handles) - before
+        alone = [segment_module.read_batch(scene, batch, pin=False) for batch in boxes]
+        ahead = list(segment_module.prefetched(lambda batch: segment_module.read_batch(scene, batch, False), boxes, 3))
+        handles = len(scene.handles)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(alone, ahead))
-    assert len(ahead) == len(boxes) and 2 <= handles <= 3  # the three readers' (two, where one read them all)
-
-
-def test_a_scene_first_batch_waits_for_one_window_not_a_batch_of_them(monkeypatch):
-    """CPU. read_ahead reads a batch's windows at once, in as many threads: with reads that each
-    wait until all four have begun, a batch of four arrives (a read alone, one after another, would
-    wait for ever: the barrier's timeout fails it). Would catch: a batch's windows read one after
-    another in one thread (the first batch of each scene waiting for four reads)."""
-    image = smooth_scene(64, 96)
-    scene, started = ImageArray(image), threading.Barrier(4, timeout=10)
-    real_read = scene.read
-    monkeypatch.setattr(scene, "read", lambda *box, out=None: started.wait() is None or real_read(*box, out=out))
-    images, _ = next(segment_module.read_ahead(scene, [[(0, 0, 32, 48), (0, 48, 32, 48), (32, 0, 32, 48),
-                                                         (32, 48, 32, 48)]], False, 4))
-    assert torch.equal(images[3], torch.from_numpy(image[32:, 48:]).permute(2, 0, 1))
-
-
-def test_a_reader_stopped_early_leaves_no_read_running_and_drops_those_not_begun(monkeypatch):
-    """CPU. read_ahead with two batches of two windows ahead in two threads, closed after its first
-    batch (a scene whose mapping failed): it returns once the reads begun meanwhile have ended (the
-    second batch's), and the two queued behind them never run. Would catch: reads left running on a scene about to
-    be closed (GDAL's handles freed under them), and the queued windows read anyway before the
-    error reaches the user."""
-    scene, reads, running = ImageArray(smooth_scene(64, 96)), [], []
-    real_read = scene.read
-
-    def slow_read(*box, out=None):
-        reads.append(box)
-        running.append(box)
-        time.sleep(0.2)
-        running.remove(box)
-        return real_read(*box, out=out)
-
-    monkeypatch.setattr(scene, "read", slow_read)
-    batches = [[(top, left, 16, 24)] * 2 for top in range(0, 64, 16) for left in range(0, 96, 24)]
-    reader = segment_module.read_ahead(scene, batches, False, 2)
-    next(reader)
-    reader.close()
-    begun = len(reads)
-    assert running == [] and begun in (3, 4)  # the first batch's, and the second's begun meanwhile (one or both)
-    time.sleep(0.3)
-    assert len(reads) == begun
+    assert len(ahead) == len(boxes) and 2 <= handles <= 4  # the opening thread's and up to three readers'
 
 
 @pytest.mark.parametrize("nodata", [None, 7])
 def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
-    """CPU. read_ahead reads each window straight into its batch: against rasterio reading each
+    """CPU. read_batch reads each window straight into one batch: against rasterio reading each
     window alone (and GDAL's dataset mask for the masks), for a GeoTIFF with and without a nodata
     value, and against slices of the image for a scene held in memory (a JPEG's or PNG's).
     Would catch: a window read into another's place in the batch, or transposed, or shifted; the
@@ -289,7 +232,7 @@ def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
     boxes = [(0, 0, 40, 60), (50, 70, 40, 60), (25, 33, 40, 60)]
     path = write_geotiff(tmp_path / "scene.tif", image, nodata=nodata)
     with open_scene(path) as scene:
-        images, masks = read_batch(scene, boxes)
+        images, masks = segment_module.read_batch(scene, boxes, pin=False)
     assert images.shape == (3, 3, 40, 60) and (masks is None) == (nodata is None)
     with rasterio.open(path) as dataset:
         for index, (top, left, height, width) in enumerate(boxes):
@@ -298,8 +241,8 @@ def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
             if masks is not None:
                 assert np.array_equal(masks[index].numpy(), dataset.dataset_mask(window=window) > 0), index
     with open_scene(path) as scene, pytest.raises(ValueError, match=r"scene.tif: a 20x30 window read into \(3, 40, 60\)"):
-        read_batch(scene, [boxes[0], (0, 0, 20, 30)])  # rasterio alone would resample
-    images, masks = read_batch(ImageArray(image), boxes)
+        segment_module.read_batch(scene, [boxes[0], (0, 0, 20, 30)], pin=False)  # rasterio alone would resample
+    images, masks = segment_module.read_batch(ImageArray(image), boxes, pin=False)
     assert masks is None
     for index, (top, left, height, width) in enumerate(boxes):
         assert np.array_equal(images[index].permute(1, 2, 0).numpy(), image[top:top + height, left:left + width]), index
