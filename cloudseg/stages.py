@@ -56,7 +56,7 @@ class StageClock:
             self.per_thread[stage, threading.get_ident()] += seconds
             first, last = self.spans.get(stage, (end - seconds, end))
             self.spans[stage] = (min(first, end - seconds), max(last, end))
-            if stage in ORDER:
+            if stage in ORDER and (self.last_end is None or end > self.last_end[0]):  # a later end, whoever locks first
                 self.last_end = (end, time.process_time())
 
     def timed(self) -> list[tuple[tuple[str, int], float]]:

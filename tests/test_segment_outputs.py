@@ -498,21 +498,29 @@ def test_the_timeline_gives_each_stage_s_first_start_and_last_end():
 
 
 def test_the_timeline_counts_the_cores_busy_from_the_first_stage_to_the_last():
-    """CPU. A stage asleep for 0.2 s, then one busy for 0.2 CPU s in this thread: about 0.2 CPU s
-    in 0.4 s or more, half a core at most (a wait before, not a stage, counts for neither). Would
-    catch: the wall taken from the stages' summed seconds or from the first stage's end (1.0 core),
-    CPU seconds of one thread or of the whole run (the wait's spin), or the waits counted."""
+    """CPU. A stage asleep for 0.2 s, 0.2 s with no stage, then one busy for 0.2 CPU s in another
+    thread: about 0.2 CPU s in 0.6 s or more, a third of a core at most (a wait before, not a
+    stage, counts for neither). Would catch: the wall taken from the stages' summed seconds (0.4 s)
+    or from the first stage's end, the CPU seconds of the calling thread alone (none) or of the
+    whole run (the wait's spin), and the waits counted."""
     clock = StageClock()
     with clock("wait for reads"):
         busy(0.2)
     with clock("read"):
         time.sleep(0.2)
-    with clock("write"):
-        busy(0.2)
+    time.sleep(0.2)
+    writer = threading.Thread(target=timed_busy, args=(clock, "write", 0.2))
+    writer.start()
+    writer.join()
     cores, cpu, wall = map(float, re.search(r"; (\d+\.\d) cores busy \((\d+\.\d) CPU s in (\d+\.\d\d) s\)$",
                                             clock.timeline()).groups())
-    assert cpu == pytest.approx(0.2, abs=0.05) and wall >= 0.39 and 0.2 <= cores <= 0.55
+    assert cpu == pytest.approx(0.2, abs=0.05) and wall >= 0.59 and cores <= 0.4
     assert StageClock().cores() == ""
+
+
+def timed_busy(clock: StageClock, stage: str, cpu_seconds: float) -> None:
+    with clock(stage):
+        busy(cpu_seconds)
 
 
 def busy(cpu_seconds: float) -> None:
