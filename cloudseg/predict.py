@@ -49,7 +49,8 @@ def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | No
                   tta: str = "none", zero_black: bool = False, with_classes: bool = False):
     """Sigmoid probabilities (N×4×H×W, float32) at the images' own size, averaged over the
     `tta` flips (each prediction flipped back first), and zero on black no-data pixels when
-    `zero_black`. Pad and crop live in the model. Validation, OOF and test use this alone.
+    `zero_black`. A model's float32 logits become the probabilities, in place (`sigmoid_of_own`).
+    Pad and crop live in the model. Validation, OOF and test use this alone.
     `with_classes`: (probabilities, the classification head's probabilities N×4 averaged over
     the same flips, or None for a model without a head)."""
     flips, probs, classes = TTA_FLIPS[tta], None, None
@@ -69,11 +70,22 @@ def predict_probs(model: CloudNet, images: torch.Tensor, dtype: torch.dtype | No
 def sigmoid_of_own(logits: torch.Tensor) -> torch.Tensor:
     """float32 sigmoid of a model's fresh logits, taken in place over them (or over their float32
     copy): on a CPU a new tensor's pages cost more than the sigmoid itself (four 1400×2100 windows'
-    zero logits and their sigmoid: 150 ms, in place 87; 2 cores). Logits whose elements share
-    memory (an expanded tensor) get a new one."""
+    zero logits and their sigmoid: 150 ms, in place 87; 2 cores). Logits whose elements may share
+    memory (an expanded or unfolded view) get a new tensor."""
     logits = logits.float()
-    shared = any(stride == 0 and size > 1 for size, stride in zip(logits.shape, logits.stride()))
-    return logits.sigmoid() if shared else logits.sigmoid_()
+    return logits.sigmoid() if may_overlap(logits) else logits.sigmoid_()
+
+
+def may_overlap(tensor: torch.Tensor) -> bool:
+    """Whether two elements of `tensor` may lie at one address: False only where each stride,
+    smallest first, passes the reach of the dimensions inside it (a contiguous tensor, a crop of
+    one, a permutation)."""
+    reach = 0
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def summed(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:

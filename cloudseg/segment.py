@@ -15,8 +15,8 @@ mask or alpha) get probability 0, are written as nodata and count in no fraction
 
 Where the work runs: the blend, the thresholds and the counts run where the model runs (torch on
 its device); on a GPU only the finished rows' uint8 bands and counts cross to the host, once per
-row of windows, and a JPEG scene is decoded there too. Windows are read a batch ahead in a
-thread (GDAL and OpenCV release the GIL); rows are encoded (`geo.output_bands`: OpenCV on a CPU)
+row of windows, and a JPEG scene is decoded there too. Windows are read ahead in threads, a batch
+in each (GDAL and OpenCV release the GIL); rows are encoded (`geo.output_bands`: OpenCV on a CPU)
 and written in another (`Writer`), a ZSTD map's strips compressed by threads of ours
 (`geo.CompressedStrips`; other codecs by GDAL's), and each scene is finished there (its last strips
 compressed, NAME.json) while the next scene is read and mapped.

@@ -422,11 +422,12 @@ def test_tta_unflips_exactly(tta):
 def test_probabilities_are_the_model_s_own_float32_logits_made_sigmoid_in_place():
     """CPU. Over a model's fresh float32 logits the sigmoid is taken in place: the probabilities
     are that very tensor, equal to torch.sigmoid of the logits it held; bfloat16 logits are
-    copied to float32 once and left as they were; expanded logits (one value for many pixels) get a
-    tensor of their own. Would catch: a new tensor of the batch's size for the sigmoid (on a CPU its
+    copied to float32 once and left as they were; expanded or unfolded logits (one value for many
+    pixels) get a tensor of their own, a crop of the model's output (its padding cut) is taken in
+    place. Would catch: a new tensor of the batch's size for the sigmoid (on a CPU its
     fresh pages cost more than the sigmoid itself), a model's bf16 output overwritten or its
     probabilities taken at bf16's precision, and an in-place sigmoid over elements that share memory
-    (torch refuses it)."""
+    (torch refuses it where a stride is 0, and gives wrong numbers where windows overlap)."""
     from cloudseg.predict import predict_probs
 
     images = torch.zeros((2, 3, 6, 8), dtype=torch.uint8)
@@ -441,3 +442,10 @@ def test_probabilities_are_the_model_s_own_float32_logits_made_sigmoid_in_place(
     column = torch.randn(8)
     probs = predict_probs(lambda x: column.expand(2, 4, 6, 8), images)
     assert torch.equal(probs, torch.sigmoid(column).expand(2, 4, 6, 8))
+    ramp = torch.randn(2 * 4 * 6 + 7)  # windows of 8 numbers, one apart: each number in up to 8 places
+    probs = predict_probs(lambda x: ramp.unfold(0, 8, 1).view(2, 4, 6, 8), images)  # in place: sigmoids of sigmoids
+    torch.testing.assert_close(probs, torch.sigmoid(ramp).unfold(0, 8, 1).reshape(2, 4, 6, 8), rtol=0, atol=1e-6)
+    cropped = torch.randn(2, 4, 8, 10)
+    expected = torch.sigmoid(cropped[..., 1:7, :8])
+    assert torch.equal(predict_probs(lambda x: cropped[..., 1:7, :8], images), expected)
+    assert torch.equal(cropped[..., 1:7, :8], expected)  # a crop of the model's output (its padding): in place
