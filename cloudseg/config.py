@@ -26,19 +26,22 @@ class Section(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def no_boolean_for_a_number(cls, value, info):
-        """YAML's true or false where a number belongs, alone or in a per-class list: pydantic
-        would take them as 1 and 0."""
+    def no_boolean_but_for_a_switch(cls, value, info):
+        """YAML's true or false (also as it reads off, on, yes and no) where the field is no switch,
+        alone or in a per-class list: pydantic would take them as 1 and 0 for a number, and list a
+        word's choices against a False the user never typed."""
+        annotation = cls.model_fields[info.field_name].annotation
         values = value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(item, bool) for item in values) and not takes_booleans(
-                cls.model_fields[info.field_name].annotation):
-            raise ValueError("give a number, not true or false")
+        if any(isinstance(item, bool) for item in values) and not takes(annotation, bool):
+            raise ValueError("give a number, not true or false" if takes(annotation, int, float) else
+                             "YAML reads off, on, yes and no as false and true: quote the word, e.g. 'off'")
         return value
 
 
-def takes_booleans(annotation) -> bool:
-    """Whether a field's type has bool in it (bool, bool | Literal["auto"], tuple[bool, ...])."""
-    return annotation is bool or any(takes_booleans(arg) for arg in get_args(annotation))
+def takes(annotation, *kinds: type) -> bool:
+    """Whether a field's type has one of `kinds` in it (bool | Literal["auto"] takes bool,
+    tuple[PositiveInt, PositiveInt] takes int; bool is no int here)."""
+    return annotation in kinds or any(takes(arg, *kinds) for arg in get_args(annotation))
 
 
 class DataConfig(Section):

@@ -261,6 +261,7 @@ def test_scheduler_and_optimizer_step_once_per_window(data, tmp_path):
         ("train.epochs=true", r"train.epochs: give a number, not true or false"),  # pydantic alone: 1 epoch
         ("predict.threshold=false", r"predict.threshold: give a number, not true or false"),  # alone: 0.0 each
         ("predict.gate=[0.1,0.2,true,0.3]", r"predict.gate: give a number, not true or false"),
+        ("train.speedups.autotune=off", r"train.speedups.autotune: YAML reads off, on, yes and no as false and true"),
         ("train.lr=.inf", r"train.lr: .*finite number"),  # YAML's infinity
         ("predict.threshold=.nan", r"predict.threshold.0: .*finite number"),
         ("nonsense", "not of the form"),
