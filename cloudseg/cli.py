@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--data-dir", required=True, help="Kaggle-layout folder")
     check.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
                        help="expected size (default: the size most images have)")
-    check.add_argument("--workers", type=positive_int, help="reader threads (default: one per CPU core)")
+    check.add_argument("--workers", type=positive_int, help="reader threads (default: one per core this process may use)")
     check.set_defaults(run=run_check)
 
     train = commands.add_parser("train", help="train a UNet at native resolution")

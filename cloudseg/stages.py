@@ -39,9 +39,10 @@ class StageClock:
     @contextlib.contextmanager
     def __call__(self, stage: str):
         start = time.perf_counter()
-        if self.first_start is None and stage in ORDER:
+        if stage in ORDER:
             with self.lock:
-                self.first_start = self.first_start or (start, time.process_time())
+                if self.first_start is None or start < self.first_start[0]:  # the earliest, whoever locks first
+                    self.first_start = (start, time.process_time())
         try:
             yield
         finally:
