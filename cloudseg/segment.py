@@ -35,7 +35,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -274,6 +274,8 @@ class SegmentOptions:
     outputs: tuple[str, ...] = geo.DEFAULT_OUTPUTS  # a GeoTIFF's bands: of probs, masks, classbits (geo.OUTPUTS)
     compress: str = geo.DEFAULT_CODEC  # a GeoTIFF's codec: zstd, deflate, lerc or none (geo.CODECS)
     cog: bool = False  # a GeoTIFF written as a Cloud-Optimized GeoTIFF (tiled, with overviews)
+    # what makes the maps beyond these options (`maps_made_with`): set by `segment` once the checkpoints are loaded
+    made_with: dict | None = field(default=None, hash=False)
 
     def check(self, geotiffs: bool = True) -> None:
         """A one-line error naming the option when an output or the codec is not one of segment's
@@ -368,7 +370,7 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         with published_together() as published:  # nothing of a failed scene left: its maps go with NAME.json
             with clock("write"):
                 published += close()
-            record = {**counts.record(path.name, when), **map_format(options, path)}
+            record = {**counts.record(path.name, when), **map_record(options, path)}
             with atomic_path(done_file(out_dir, path)) as tmp:
                 tmp.write_text(json.dumps(record))
         return record
@@ -632,8 +634,21 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
                              work_pixels=pixels_to_map(scenes, out_dir, options))
     log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
              human_duration(time.perf_counter() - start))
-    return segment_scenes(scenes, ensemble, out_dir, replace(options, tile=window_size(ensemble, options.tile,
-                                                                                         checkpoints[0])), clock=clock)
+    options = replace(options, tile=window_size(ensemble, options.tile, checkpoints[0]))
+    return segment_scenes(scenes, ensemble, out_dir, replace(options, made_with=maps_made_with(checkpoints, ensemble,
+                                                                                              options)), clock=clock)
+
+
+def maps_made_with(checkpoints: list[str], ensemble: Ensemble, options: SegmentOptions) -> dict:
+    """What makes a scene's maps beyond its format: each checkpoint's file (path, size, time
+    modified: a checkpoint trained again is another), the TTA, the thresholds (the tuned rule's and
+    the overrides') and the windows (tile, overlap). NAME.json records it, and a rerun with
+    another maps the scene again rather than keep maps of another model among its own."""
+    files = [Path(checkpoint).resolve() for checkpoint in checkpoints]
+    return {"checkpoints": [{"file": str(file), "bytes": file.stat().st_size, "modified_ns": file.stat().st_mtime_ns}
+                            for file in files],
+            "tta": ensemble.config.predict.tta, "threshold": list(ensemble.config.predict.threshold),
+            "tile": list(options.tile), "overlap": options.overlap}
 
 
 def my_share(scenes: list[Path]) -> list[Path]:
@@ -643,7 +658,8 @@ def my_share(scenes: list[Path]) -> list[Path]:
 
 def pixels_to_map(scenes: list[Path], out_dir: Path, options: SegmentOptions) -> int:
     """Pixels of the scenes that this process will map (its share, less those done), from the
-    files' headers: predict.compile=auto compiles only for a job that repays it."""
+    files' headers: predict.compile=auto compiles only for a job that repays it. Before the
+    checkpoints are loaded: a scene done with another model counts as done here."""
     return sum(math.prod(geo.scene_shape(path)) for path in my_share(scenes) if not is_done(out_dir, path, options))
 
 
@@ -729,25 +745,27 @@ def is_done(out_dir: Path, path: Path, options: SegmentOptions) -> bool:
 
 
 def done_record(out_dir: Path, path: Path, options: SegmentOptions) -> dict | None:
-    """The scene's NAME.json where it exists, written with the same --grid and, for a GeoTIFF
-    scene, the same map format (`map_format`; a NAME.json from before that was recorded counts as
-    written with today's); else None."""
+    """The scene's NAME.json where it exists, written with the same --grid and the same
+    `map_record` (a NAME.json from before a key of it was recorded counts as made as today's);
+    else None."""
     try:
         record = json.loads(done_file(out_dir, path).read_text())
     except (OSError, ValueError):
         return None
     same = record.get("grid") == options.grid and all(record.get(key, value) == value
-                                                      for key, value in map_format(options, path).items())
+                                                      for key, value in map_record(options, path).items())
     return record if same else None
 
 
-def map_format(options: SegmentOptions, path: Path) -> dict:
-    """What NAME.json records of a GeoTIFF scene's map, so that a rerun asking for another one
-    maps the scene again: its bands (--outputs), codec and layout (--cog). A JPEG or PNG scene's
-    PNGs do not depend on them."""
-    if not geo.is_geotiff(path):
-        return {}
-    return {"outputs": list(options.outputs), "compress": options.compress, "cog": options.cog}
+def map_record(options: SegmentOptions, path: Path) -> dict:
+    """What NAME.json records of how a scene was mapped, so that a rerun asking for other maps maps
+    the scene again: what made them (`options.made_with`, where `segment` has set it) and, for a
+    GeoTIFF scene, the map's bands (--outputs), codec and layout (--cog); a JPEG or PNG scene's
+    PNGs do not depend on those."""
+    record = {} if options.made_with is None else {"made_with": options.made_with}
+    if geo.is_geotiff(path):
+        record.update(outputs=list(options.outputs), compress=options.compress, cog=options.cog)
+    return record
 
 
 def scene_error(path: Path, error: BaseException) -> str:

@@ -189,6 +189,40 @@ def test_a_rerun_asking_for_another_map_format_maps_the_scene_again(tiny_ensembl
     assert "1 scenes, 1 done before" in caplog.text
 
 
+def test_a_rerun_with_another_model_or_windows_maps_the_scene_again(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
+                                                                    caplog):
+    """CPU. Each call in turn, after the first: the same (done), another checkpoint file, the first
+    one again, the same, the checkpoint trained again (written anew), another --overlap, another
+    threshold (an override), another TTA: each but the same maps the scene again, and NAME.json
+    says with what. Would catch: a scene taken as done whatever model or windows made it (maps of
+    another model kept among the new ones, and in fractions.csv), a rerun with all the same mapping
+    again, or a NAME.json from before this was recorded no longer counting as done."""
+    checkpoint, _ = tiny_ensemble
+    caplog.set_level(logging.INFO)
+    out, other = tmp_path / "out", tmp_path / "other.pt"
+    other.write_bytes(Path(checkpoint).read_bytes())
+
+    def done_before(model, *options):
+        caplog.clear()
+        assert run_segment(monkeypatch, pixelwise, scene_dir, *options, "--checkpoint", model, "--out", out,
+                           "--tile", 64, 96, "--postprocess", "none") == 0
+        return int(re.search(r"1 scenes, (\d) done before", caplog.text).group(1))
+
+    assert done_before(checkpoint) == 0
+    assert [done_before(checkpoint), done_before(other), done_before(checkpoint), done_before(checkpoint)] == [1, 0, 0, 1]
+    Path(checkpoint).write_bytes(Path(checkpoint).read_bytes())  # trained again: the same path, written anew
+    assert [done_before(checkpoint), done_before(checkpoint)] == [0, 1]
+    assert [done_before(checkpoint, "--overlap", 0.5), done_before(checkpoint, "predict.threshold=0.3"),
+            done_before(checkpoint, "predict.tta=hflip")] == [0, 0, 0]
+    made_with = json.loads((out / "scene.json").read_text())["made_with"]
+    assert made_with["checkpoints"][0]["file"] == str(Path(checkpoint).resolve()) and made_with["tta"] == "hflip"
+    assert (made_with["tile"], made_with["overlap"], made_with["threshold"]) == ([64, 96], 0.25, [0.5] * 4)
+    record = json.loads((out / "scene.json").read_text())
+    del record["made_with"]
+    (out / "scene.json").write_text(json.dumps(record))  # as written before what made the maps was recorded
+    assert done_before(checkpoint) == 1
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_whole_strips_write_every_row_once_in_whole_strips(monkeypatch, seed):
     """CPU. Would catch: releases written as they come (a strip written in part), held rows lost or
