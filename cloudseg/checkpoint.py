@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import hashlib
+import json
 import pickle
 import random
 import zipfile
@@ -85,6 +87,15 @@ def load_checkpoint(path: str | Path) -> dict:
     """The state dict saved by `save_checkpoint`, on CPU, loaded without running any code the
     file may hold; errors are one line naming the file."""
     return checked(torch_load(path, weights_only=True), Path(path))
+
+
+def fingerprint(state: dict) -> str:
+    """What tells a checkpoint from another without reading its weights again: a digest of how it
+    was trained (its config, epoch, step, metrics and, after train.swa, the epochs it averages),
+    the same wherever the file lies or is copied to. A run's best.pt and last.pt of one epoch share
+    it, as they share their weights; a run trained on, or again on other data, has another."""
+    trained = {key: state.get(key) for key in ("config", "epoch", "step", "metrics", "swa")}
+    return hashlib.sha256(json.dumps(trained, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def torch_load(path: str | Path, *, weights_only: bool):

@@ -635,20 +635,18 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
     log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
              human_duration(time.perf_counter() - start))
     options = replace(options, tile=window_size(ensemble, options.tile, checkpoints[0]))
-    return segment_scenes(scenes, ensemble, out_dir, replace(options, made_with=maps_made_with(checkpoints, ensemble,
-                                                                                              options)), clock=clock)
+    return segment_scenes(scenes, ensemble, out_dir, replace(options, made_with=maps_made_with(ensemble, options)),
+                          clock=clock)
 
 
-def maps_made_with(checkpoints: list[str], ensemble: Ensemble, options: SegmentOptions) -> dict:
-    """What makes a scene's maps beyond its format: each checkpoint's file (path, size, time
-    modified: a checkpoint trained again is another), the TTA, the thresholds (the tuned rule's and
-    the overrides') and the windows (tile, overlap). NAME.json records it, and a rerun with
-    another maps the scene again rather than keep maps of another model among its own."""
-    files = [Path(checkpoint).resolve() for checkpoint in checkpoints]
-    return {"checkpoints": [{"file": str(file), "bytes": file.stat().st_size, "modified_ns": file.stat().st_mtime_ns}
-                            for file in files],
-            "tta": ensemble.config.predict.tta, "threshold": list(ensemble.config.predict.threshold),
-            "tile": list(options.tile), "overlap": options.overlap}
+def maps_made_with(ensemble: Ensemble, options: SegmentOptions) -> dict:
+    """What makes a scene's maps beyond their format: the checkpoints (their fingerprints: how each
+    was trained, wherever its file lies), the TTA, the thresholds (the tuned rule's and the
+    overrides') and the windows (tile, overlap). NAME.json records it, and a rerun with another
+    maps the scene again rather than keep another model's maps among its own. The precision is
+    not in it: a job begun on a CPU and finished on a GPU keeps both's maps (a level apart at most)."""
+    return {"checkpoints": list(ensemble.fingerprints), "tta": ensemble.config.predict.tta,
+            "threshold": list(ensemble.config.predict.threshold), "tile": list(options.tile), "overlap": options.overlap}
 
 
 def my_share(scenes: list[Path]) -> list[Path]:
@@ -745,16 +743,23 @@ def is_done(out_dir: Path, path: Path, options: SegmentOptions) -> bool:
 
 
 def done_record(out_dir: Path, path: Path, options: SegmentOptions) -> dict | None:
-    """The scene's NAME.json where it exists, written with the same --grid and the same
+    """The scene's NAME.json where it exists, written with the same --grid and agreeing with
     `map_record` (a NAME.json from before a key of it was recorded counts as made as today's);
     else None."""
     try:
         record = json.loads(done_file(out_dir, path).read_text())
     except (OSError, ValueError):
         return None
-    same = record.get("grid") == options.grid and all(record.get(key, value) == value
-                                                      for key, value in map_record(options, path).items())
+    same = record.get("grid") == options.grid and agrees(record, map_record(options, path))
     return record if same else None
+
+
+def agrees(record: dict, wanted: dict) -> bool:
+    """Whether `record` holds what is `wanted`, key by key and within dicts; a key it lacks (written
+    before that key was recorded) counts as wanted."""
+    return all(key not in record or (agrees(record[key], value) if isinstance(value, dict) and
+                                     isinstance(record[key], dict) else record[key] == value)
+               for key, value in wanted.items())
 
 
 def map_record(options: SegmentOptions, path: Path) -> dict:

@@ -15,6 +15,7 @@ import pytest
 
 from cloudseg import geo
 from cloudseg import segment as segment_module
+from cloudseg.checkpoint import fingerprint, load_checkpoint, save_checkpoint
 from cloudseg.stages import StageClock
 from tests.test_segment import pixelwise, run_segment, smooth_scene, tiny_ensemble, write_geotiff  # noqa: F401
 
@@ -191,36 +192,40 @@ def test_a_rerun_asking_for_another_map_format_maps_the_scene_again(tiny_ensembl
 
 def test_a_rerun_with_another_model_or_windows_maps_the_scene_again(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
                                                                     caplog):
-    """CPU. Each call in turn, after the first: the same (done), another checkpoint file, the first
-    one again, the same, the checkpoint trained again (written anew), another --overlap, another
-    threshold (an override), another TTA: each but the same maps the scene again, and NAME.json
-    says with what. Would catch: a scene taken as done whatever model or windows made it (maps of
-    another model kept among the new ones, and in fractions.csv), a rerun with all the same mapping
-    again, or a NAME.json from before this was recorded no longer counting as done."""
+    """CPU. Calls in turn after the first: the same (done), a copy of the checkpoint elsewhere (done:
+    the same model), the checkpoint trained on (another step: mapped again), the same (done), then
+    another --tile, --overlap, threshold (an override) and TTA, each mapped again; NAME.json says
+    with what. Would catch: a scene taken as done whatever model or windows made it (another model's
+    maps kept among the new ones, and in fractions.csv), a model told by its file's path (a copy
+    mapped again, a node seeing it elsewhere disagreeing), a rerun with all the same mapping again,
+    or a NAME.json from before this (or one key of it) was recorded no longer counting as done."""
     checkpoint, _ = tiny_ensemble
     caplog.set_level(logging.INFO)
-    out, other = tmp_path / "out", tmp_path / "other.pt"
-    other.write_bytes(Path(checkpoint).read_bytes())
+    out, copy = tmp_path / "out", tmp_path / "elsewhere" / "best.pt"
+    copy.parent.mkdir()
+    copy.write_bytes(Path(checkpoint).read_bytes())
 
-    def done_before(model, *options):
+    def done_before(model, *options, tile=(64, 96)):
         caplog.clear()
         assert run_segment(monkeypatch, pixelwise, scene_dir, *options, "--checkpoint", model, "--out", out,
-                           "--tile", 64, 96, "--postprocess", "none") == 0
+                           "--tile", *tile, "--postprocess", "none") == 0
         return int(re.search(r"1 scenes, (\d) done before", caplog.text).group(1))
 
-    assert done_before(checkpoint) == 0
-    assert [done_before(checkpoint), done_before(other), done_before(checkpoint), done_before(checkpoint)] == [1, 0, 0, 1]
-    Path(checkpoint).write_bytes(Path(checkpoint).read_bytes())  # trained again: the same path, written anew
-    assert [done_before(checkpoint), done_before(checkpoint)] == [0, 1]
-    assert [done_before(checkpoint, "--overlap", 0.5), done_before(checkpoint, "predict.threshold=0.3"),
-            done_before(checkpoint, "predict.tta=hflip")] == [0, 0, 0]
-    made_with = json.loads((out / "scene.json").read_text())["made_with"]
-    assert made_with["checkpoints"][0]["file"] == str(Path(checkpoint).resolve()) and made_with["tta"] == "hflip"
-    assert (made_with["tile"], made_with["overlap"], made_with["threshold"]) == ([64, 96], 0.25, [0.5] * 4)
+    assert [done_before(checkpoint), done_before(checkpoint), done_before(copy)] == [0, 1, 1]
+    state = load_checkpoint(copy)
+    save_checkpoint(copy, {**state, "step": state["step"] + 1})  # trained on
+    assert [done_before(copy), done_before(copy), done_before(checkpoint)] == [0, 1, 0]
+    assert [done_before(checkpoint, tile=(64, 64)), done_before(checkpoint, "--overlap", 0.5),
+            done_before(checkpoint, "predict.threshold=0.3"), done_before(checkpoint, "predict.tta=hflip")] == [0] * 4
     record = json.loads((out / "scene.json").read_text())
+    assert record["made_with"] == {"checkpoints": [fingerprint(state)], "tta": "hflip", "threshold": [0.5] * 4,
+                                   "tile": [64, 96], "overlap": 0.25}
+    del record["made_with"]["tta"]
+    (out / "scene.json").write_text(json.dumps(record))  # as written before the TTA was recorded
+    assert done_before(checkpoint, "predict.tta=hflip") == 1
     del record["made_with"]
-    (out / "scene.json").write_text(json.dumps(record))  # as written before what made the maps was recorded
-    assert done_before(checkpoint) == 1
+    (out / "scene.json").write_text(json.dumps(record))  # before anything of the model was recorded
+    assert done_before(checkpoint, "predict.tta=hflip") == 1
 
 
 @pytest.mark.parametrize("seed", range(4))
