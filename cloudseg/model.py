@@ -45,6 +45,7 @@ class CloudNet(nn.Module):
         super().__init__()
         self.unet = unet
         self.channels_last = channels_last
+        self.fingerprint: str | None = None  # of the checkpoint it was loaded from (checkpoint.fingerprint)
         self.register_normalization()
 
     def register_normalization(self) -> None:

@@ -132,18 +132,14 @@ def no_data(images: torch.Tensor) -> torch.Tensor:
 
 
 def load_model(path: str | Path, device: torch.device) -> tuple[CloudNet, Config]:
-    """A model rebuilt from a checkpoint alone (no config file, no weight download)."""
-    model, config, _ = load_model_and_fingerprint(path, device)
-    return model, config
-
-
-def load_model_and_fingerprint(path: str | Path, device: torch.device) -> tuple[CloudNet, Config, str]:
-    """`load_model`, and the checkpoint's `fingerprint` (what segment records of the model that made a map)."""
+    """A model rebuilt from a checkpoint alone (no config file, no weight download), holding the
+    checkpoint's `fingerprint` (what segment records of the model that made a map)."""
     state = load_checkpoint(path)
     config = from_dict(state["config"], source=f"{path} (saved config)")
     model = loaded_model(config.model, state["model"], path)
     prepare_for_training(model, config.train.channels_last, checkpointing="none")  # the memory format it trained in
-    return model.to(device).eval(), config, fingerprint(state)
+    model.fingerprint = fingerprint(state)
+    return model.to(device).eval(), config
 
 
 def padded(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -186,7 +182,7 @@ class Ensemble(NamedTuple):
     dtype: torch.dtype | None  # autocast's, from train.precision
     compiling: bool  # predict.compile resolved for the device
     forwards: list  # the models, each under torch.compile when compiling
-    fingerprints: tuple[str, ...] = ()  # the checkpoints' (`checkpoint.fingerprint`), in their order
+    fingerprints: tuple[str | None, ...] = ()  # the checkpoints' (`checkpoint.fingerprint`), in their order
 
 
 def load_ensemble(checkpoints: list[str], postprocess_file: str | None, overrides: list[str] = (),
@@ -198,8 +194,8 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
     rule_file = tuned_rule(checkpoints, postprocess_file)
     device = resolve_device(device)
     speed_switches(device, inference=True)
-    loaded = [load_model_and_fingerprint(path, device) for path in checkpoints]
-    for path, (_, other, _) in zip(checkpoints[1:], loaded[1:]):
+    loaded = [load_model(path, device) for path in checkpoints]
+    for path, (_, other) in zip(checkpoints[1:], loaded[1:]):
         if other.data.image_size != loaded[0][1].data.image_size:
             raise ValueError(f"{path}: trained on images of {other.data.image_size}, {checkpoints[0]} on "
                              f"{loaded[0][1].data.image_size}: an ensemble's models must share one input size")
@@ -212,7 +208,7 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
     config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
     flipped = None if work_pixels is None else work_pixels * len(TTA_FLIPS[config.predict.tta])
     compiling = resolve_compile(config.predict.compile, device, "predict.compile", flipped)
-    models = [model for model, _, _ in loaded]
+    models = [model for model, _ in loaded]
     if any(kind in HEAD_GATES for kind in config.predict.gate_on) and not all(model.has_head for model in models):
         raise ValueError(f"{rule_file or 'predict.gate_on'}: the rule gates on the classification head "
                          f"({', '.join(config.predict.gate_on)}), and "
@@ -220,7 +216,7 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
                          "tune the rule for these checkpoints, or use --postprocess none")
     forwards = [compiled(model) for model in models] if compiling else models
     return Ensemble(config, top_k, device, autocast_dtype(config.train.precision, device), compiling, forwards,
-                    tuple(digest for _, _, digest in loaded))
+                    tuple(getattr(model, "fingerprint", None) for model in models))  # a stand-in model has none
 
 
 def ensemble_native(ensemble: Ensemble, images: torch.Tensor, *,
