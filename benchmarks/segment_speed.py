@@ -17,7 +17,8 @@ in windows of --tile (default 384x576). Rows:
 Under the table, each segment row's stage line (cloudseg.stages: seconds per stage summed over
 its threads, the main thread's waits, and the stage that bounds it; docs/segment.md says what each
 figure means on a GPU), then its timeline: each stage's first start and last end, from the first
-read, which show how long the pipeline takes to fill and to drain.
+read, which show how long the pipeline takes to fill and to drain, and the cores it kept busy
+meanwhile (CPU seconds over wall seconds, loading apart: issue #38's CPU/wall).
 
 How long it takes: issue #38's H100 command (--tile 1400 2100 --height 7000 --width 18000
 --scenes 1 --repeat 1 --config configs/fullres.yaml) timed 29 s over rows a-f on 2026-11-26;
