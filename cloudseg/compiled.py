@@ -21,10 +21,13 @@ enough to repay even that (`resolve_compile`'s work_pixels).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
+import sys
 import time
+import types
 
 import torch
 
@@ -78,6 +81,67 @@ def compiled(function, autotune: str = "off"):
     if isinstance(options, str):  # a mode's name: its options from torch._inductor, imported now
         options = importlib.import_module("torch._inductor").list_mode_options(options)
     return torch.compile(function, backend=BACKEND, dynamic=False, options=options or None)
+
+
+DYNAMO_UTILS = "torch._dynamo.utils"
+
+
+@contextlib.contextmanager
+def dynamo_deferred():
+    """While the block imports, torch._dynamo is loaded only where something uses it. Imported for
+    segmentation_models_pytorch: its timm and torchvision load torch._dynamo as they are imported
+    (1.5-2 s, with sympy and torch._inductor; the 2-core VM's demo call, BENCHMARKS.md) for what
+    they use only when they run: torchvision's roi_align imports `torch._dynamo.utils`'s
+    `is_compile_supported`, and timm decorates some of its models' methods with
+    `torch.compiler.disable`, which imports torch._dynamo to wrap them. In the block,
+    `torch._dynamo.utils` is a stand-in (`LoadedOnUse`) and `torch.compiler.disable` wraps a function
+    when it is first called (`disabled_on_first_call`). Once torch._dynamo is loaded the block
+    changes nothing; after it, nothing is left in place but what the block's imports kept."""
+    if DYNAMO_UTILS in sys.modules:
+        yield
+        return
+    stand_in, disable = LoadedOnUse(DYNAMO_UTILS), torch.compiler.disable
+
+    def is_compile_supported(device_type):  # torchvision's import; the real one, loaded when first asked
+        return stand_in.__getattr__("is_compile_supported")(device_type)
+
+    stand_in.is_compile_supported = is_compile_supported
+    sys.modules[DYNAMO_UTILS], torch.compiler.disable = stand_in, functools.partial(disabled_on_first_call, disable)
+    try:
+        yield
+    finally:
+        torch.compiler.disable = disable
+        if sys.modules.get(DYNAMO_UTILS) is stand_in:
+            del sys.modules[DYNAMO_UTILS]
+
+
+class LoadedOnUse(types.ModuleType):
+    """A stand-in for a module in sys.modules: the first name read from it that it lacks loads the
+    module itself (in its place) and comes from there. Python's own questions (`__path__`,
+    `__file__`, asked of every module by `inspect`) find nothing and load nothing."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        return getattr(importlib.import_module(self.__name__), name)
+
+
+def disabled_on_first_call(disable, function=None, recursive: bool = True, **options):
+    """`disable(function, recursive, **options)` (torch.compiler.disable) made when `function`
+    is first called, not when it is decorated."""
+    if function is None:  # @torch.compiler.disable(recursive=False)
+        return functools.partial(disabled_on_first_call, disable, recursive=recursive, **options)
+    made = []
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if not made:
+            made.append(disable(function, recursive, **options))
+        return made[0](*args, **kwargs)
+
+    return call
 
 
 def dynamo_counters():

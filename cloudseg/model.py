@@ -11,16 +11,19 @@ import contextlib
 import functools
 import math
 
-import segmentation_models_pytorch as smp
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
+from cloudseg.compiled import dynamo_deferred
 from cloudseg.config import ModelConfig
 from cloudseg.data import crop, pad
 from cloudseg.task import LABELS
+
+with dynamo_deferred():  # smp's timm and torchvision would load torch._dynamo (seconds) for nothing we use
+    import segmentation_models_pytorch as smp
 
 # Every smp ImageNet encoder uses these (asking smp for them would query the model hub).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -50,9 +53,12 @@ class CloudNet(nn.Module):
 
     def register_normalization(self) -> None:
         """The input's mean and std (×255) as buffers, on the current default device: not saved
-        in checkpoints, so made again on the CPU after a build on the meta device (`loaded_model`)."""
+        in checkpoints, so made again on the CPU after a build on the meta device (`loaded_model`).
+        Scaled on the CPU whatever the device: an operation on meta tensors imports torch._dynamo
+        (seconds; `initialisation_skipped`)."""
         for name, values in (("mean", IMAGENET_MEAN), ("std", IMAGENET_STD)):
-            self.register_buffer(name, torch.tensor(values).view(1, 3, 1, 1) * 255, persistent=False)
+            scaled = (torch.tensor(values, device="cpu") * 255).tolist()  # float32 products, exact as Python floats
+            self.register_buffer(name, torch.tensor(scaled).view(1, 3, 1, 1), persistent=False)
 
     @property
     def has_head(self) -> bool:
@@ -105,13 +111,14 @@ def load_weights(model: CloudNet, weights: dict, source, assign: bool = False) -
 def loaded_model(config: ModelConfig, weights: dict, source) -> CloudNet:
     """`build_model(config, pretrained=False)` holding `weights` (`load_weights`), built on the meta
     device so that the random initialisation the weights replace is skipped (0.3 of its 0.4 s for
-    UNet-ResNet34 on 2 cores: a call's fixed cost, and every scene job's), the weights then
-    assigned, not copied. Built as usual where that fails or would change the model: an encoder
-    that computes with its tensors while it is built (smp's mit_b*), a weight of another dtype than
-    the model's, or a tensor the weights do not hold (a buffer not saved); the usual build then
-    raises what belongs to the weights (`load_weights`)."""
+    UNet-ResNet34 on 2 cores: a call's fixed cost, and every scene job's), torch.nn.init's
+    functions too (`initialisation_skipped`), the weights then assigned, not copied. Built as
+    usual where that fails or would change the model: an encoder that computes with its tensors
+    while it is built (smp's mit_b*), a weight of another dtype than the model's, or a tensor the
+    weights do not hold (a buffer not saved); the usual build then raises what belongs to the
+    weights (`load_weights`)."""
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), initialisation_skipped():
             model = build_model(config, pretrained=False)
         model.register_normalization()  # on the CPU: not in the weights
         expected = model.state_dict()
@@ -124,6 +131,28 @@ def loaded_model(config: ModelConfig, weights: dict, source) -> CloudNet:
     model = build_model(config, pretrained=False)
     load_weights(model, weights, source)
     return model
+
+
+@contextlib.contextmanager
+def initialisation_skipped():
+    """torch.nn.init's functions (kaiming_normal_ and the others that fill a tensor in place) leave
+    their tensor as it is while the block runs, in every thread: for a model built on the meta
+    device, where there is nothing to fill. They cost 0.03-0.05 s a build there, and torch's meta
+    `normal_` (a Python reference wrapped against compiling) imports torch._dynamo, seconds of a
+    call that compiles nothing (`compiled.dynamo_deferred`)."""
+    names = [name for name in vars(nn.init) if name.endswith("_") and not name.startswith("_")]
+    kept = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, _left_as_it_is)
+    try:
+        yield
+    finally:
+        for name, function in kept.items():
+            setattr(nn.init, name, function)
+
+
+def _left_as_it_is(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 def build_model(config: ModelConfig, pretrained: bool = True) -> CloudNet:
