@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -94,18 +95,15 @@ def dynamo_deferred():
     they use only when they run: torchvision's roi_align imports `torch._dynamo.utils`'s
     `is_compile_supported`, and timm decorates some of its models' methods with
     `torch.compiler.disable`, which imports torch._dynamo to wrap them. In the block,
-    `torch._dynamo.utils` is a stand-in (`LoadedOnUse`) and `torch.compiler.disable` wraps a function
-    when it is first called (`disabled_on_first_call`). Once torch._dynamo is loaded the block
-    changes nothing; after it, nothing is left in place but what the block's imports kept."""
+    `torch._dynamo.utils` is a stand-in (`LoadedOnUse`) whose `is_compile_supported` is the real
+    one, taken at its first call, and `torch.compiler.disable` wraps a function when it is first
+    called (`disabled_on_first_call`). Once torch._dynamo is loaded the block changes nothing;
+    after it, nothing is left in place but what the block's imports kept."""
     if DYNAMO_UTILS in sys.modules:
         yield
         return
     stand_in, disable = LoadedOnUse(DYNAMO_UTILS), torch.compiler.disable
-
-    def is_compile_supported(device_type):  # torchvision's import; the real one, loaded when first asked
-        return stand_in.__getattr__("is_compile_supported")(device_type)
-
-    stand_in.is_compile_supported = is_compile_supported
+    stand_in.is_compile_supported = made_on_first_call(lambda: stand_in.__getattr__("is_compile_supported"))
     sys.modules[DYNAMO_UTILS], torch.compiler.disable = stand_in, functools.partial(disabled_on_first_call, disable)
     try:
         yield
@@ -117,8 +115,9 @@ def dynamo_deferred():
 
 class LoadedOnUse(types.ModuleType):
     """A stand-in for a module in sys.modules: the first name read from it that it lacks loads the
-    module itself (in its place) and comes from there. Python's own questions (`__path__`,
-    `__file__`, asked of every module by `inspect`) find nothing and load nothing."""
+    module itself (in its place) and comes from there. Python's own names (`__path__`, `__file__`,
+    which `inspect` asks of every module) find nothing and load nothing; its `__spec__` is None, so
+    `importlib.util.find_spec` of its name fails while it stands in."""
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -130,15 +129,23 @@ class LoadedOnUse(types.ModuleType):
 
 def disabled_on_first_call(disable, function=None, recursive: bool = True, **options):
     """`disable(function, recursive, **options)` (torch.compiler.disable) made when `function`
-    is first called, not when it is decorated."""
+    is first called, not when it is decorated; a class (or any other callable) at once, as
+    `disable` keeps it what it is. Where the first call is inside a compiled region, that compile
+    breaks its graph there twice more (the later ones see `disable`'s own)."""
     if function is None:  # @torch.compiler.disable(recursive=False)
         return functools.partial(disabled_on_first_call, disable, recursive=recursive, **options)
+    if not inspect.isfunction(function):
+        return disable(function, recursive, **options)
+    return functools.wraps(function)(made_on_first_call(lambda: disable(function, recursive, **options)))
+
+
+def made_on_first_call(make):
+    """A function that calls the function `make()` returns, `make` called once, at its first call."""
     made = []
 
-    @functools.wraps(function)
     def call(*args, **kwargs):
         if not made:
-            made.append(disable(function, recursive, **options))
+            made.append(make())
         return made[0](*args, **kwargs)
 
     return call

@@ -57,7 +57,7 @@ class CloudNet(nn.Module):
         Scaled on the CPU whatever the device: an operation on meta tensors imports torch._dynamo
         (seconds; `initialisation_skipped`)."""
         for name, values in (("mean", IMAGENET_MEAN), ("std", IMAGENET_STD)):
-            scaled = (torch.tensor(values, device="cpu") * 255).tolist()  # float32 products, exact as Python floats
+            scaled = (torch.tensor(values, device="cpu") * 255).tolist()  # the products as before, exact as floats
             self.register_buffer(name, torch.tensor(scaled).view(1, 3, 1, 1), persistent=False)
 
     @property

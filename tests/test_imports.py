@@ -133,7 +133,8 @@ import sys
 import torch
 import cloudseg.model  # smp, timm and torchvision, torch._dynamo deferred
 import timm.layers
-assert "torch._dynamo" not in sys.modules and torch.compiler.disable.__module__ == "torch.compiler"
+assert "torch._dynamo" not in sys.modules and "torch._dynamo.utils" not in sys.modules  # no stand-in left
+assert torch.compiler.disable.__module__ == "torch.compiler"
 
 @timm.layers.disable_compiler  # torch.compiler.disable as timm took it, deferred
 def doubled(x):
@@ -184,7 +185,8 @@ def test_a_stand_in_loads_its_module_at_the_first_name_read_from_it(tmp_path, mo
 def test_a_deferred_disable_is_applied_once_at_the_first_call_with_its_options():
     """Device: none. Would catch: torch.compiler.disable applied when a function is decorated
     (torch._dynamo imported then), applied at every call, its options (recursive, reason) or the
-    function's arguments lost, the decorator-factory form (`@disable(recursive=False)`) broken."""
+    function's arguments lost, the decorator-factory form (`@disable(recursive=False)`) broken, a
+    decorated class turned into a function (subclasses and isinstance would break)."""
     from cloudseg.compiled import disabled_on_first_call
 
     applied = []
@@ -204,6 +206,13 @@ def test_a_deferred_disable_is_applied_once_at_the_first_call_with_its_options()
     assert applied == [] and add.__name__ == "add"
     assert add(1, y=2) == add(3) == ("disabled", 3) and negate(4) == ("disabled", -4)
     assert applied == [("add", True, {}), ("negate", False, {"reason": "why"})]
+
+    class Module:
+        pass
+
+    kept = []  # a class is disabled at once, and stays a class (as torch.compiler.disable keeps it)
+    decorated = disabled_on_first_call(lambda function, recursive, **options: kept.append(function) or function, Module)
+    assert kept == [Module] and decorated is Module
 
 
 def test_deferring_changes_nothing_once_torch_dynamo_is_loaded():
