@@ -29,7 +29,8 @@ took 251 s on the H100 on 2026-11-27, with 12 writes and five of those processes
 This CPU's default sizes: 2-4 minutes.
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
-scene, on --device (auto: the GPU where there is one; with CUDA rows b and c compile, as
+scene, with PyTorch's CPU tensors in huge pages as the command line has them (THP_MEM_ALLOC_ENABLE=1
+unless set otherwise: cli.huge_pages_for_tensors; the naive loops too), on --device (auto: the GPU where there is one; with CUDA rows b and c compile, as
 predict.compile=auto does for a large job); wall-clock, so other processes on the machine slow every row. Scenes/s and
 megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
 the same model (a for b, c; d for e, f).
@@ -94,6 +95,10 @@ import unittest.mock
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+
+from cloudseg.cli import huge_pages_for_tensors
+
+huge_pages_for_tensors()  # as the command line does, before torch is imported: for every row, the naive loops too
 
 import numpy as np
 import rasterio
@@ -220,7 +225,7 @@ def print_table(rows: Rows, args, device: torch.device, load: float) -> None:
           f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, device {device}"
           f"{f' ({torch.cuda.get_device_name(device)})' if device.type == 'cuda' else ''}, torch {torch.__version__}; "
           f"{args.scenes} scenes of {args.height}x{args.width}, windows {args.tile[0]}x{args.tile[1]}, "
-          f"model of {args.config}")
+          f"model of {args.config}; THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}")
     print(f"load average before: {load:.1f} (other processes slow the wall-clock figures, "
           "less the CPU seconds)")
     print("| row | seconds | CPU s | scenes/s | megapixels/s | speed-up |")

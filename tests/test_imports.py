@@ -11,8 +11,10 @@ touching it (`model.initialisation_skipped`)."""
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +229,39 @@ def test_deferring_changes_nothing_once_torch_dynamo_is_loaded():
     with dynamo_deferred():
         assert sys.modules["torch._dynamo.utils"] is loaded and torch.compiler.disable is disable
     assert sys.modules["torch._dynamo.utils"] is loaded and torch.compiler.disable is disable
+
+
+HUGE_PAGES = """
+import sys
+from cloudseg.cli import main
+assert "torch" not in sys.modules
+main(["doctor"])  # a command that imports torch
+import torch
+tensor = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+address, inside = tensor.data_ptr(), False
+for line in open("/proc/self/smaps"):
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end
+        start, end = (int(bound, 16) for bound in head.split("-"))
+        inside = start <= address < end
+    elif line.startswith("VmFlags:") and inside:
+        print("FLAGS", *line.split()[1:])
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").is_file(),
+                    reason="a kernel without transparent huge pages")
+@pytest.mark.parametrize("setting, huge", [(None, True), ("0", False)], ids=["default", "user-off"])
+def test_a_command_s_large_tensors_ask_for_huge_pages_unless_the_user_says_no(setting, huge):
+    """Device: CPU (a new process; Linux). A 64 MB tensor made after a command ran lies in memory
+    the kernel was asked to back with huge pages (MADV_HUGEPAGE, VmFlags "hg"), and not where the
+    user set THP_MEM_ALLOC_ENABLE=0. Would catch: the setting made after torch's import (PyTorch
+    reads it at its first allocation, during the import) or not at all, and the user's own setting
+    overridden."""
+    env = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
+    if setting is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = setting
+    done = subprocess.run([sys.executable, "-c", HUGE_PAGES], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    flags = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("FLAGS"))
+    assert ("hg" in flags) == huge, flags
