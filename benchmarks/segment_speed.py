@@ -30,8 +30,8 @@ This CPU's default sizes: 2-4 minutes.
 
 Each row maps every scene --repeat times (default 3; the fastest is shown), each after a warm-up
 scene, with PyTorch's CPU tensors in huge pages as the command line has them (THP_MEM_ALLOC_ENABLE=1
-unless set otherwise: cli.huge_pages_for_tensors; the naive loops too), on --device (auto: the GPU where there is one; with CUDA rows b and c compile, as
-predict.compile=auto does for a large job); wall-clock, so other processes on the machine slow every row. Scenes/s and
+unless set otherwise: cli.huge_pages_for_tensors; the naive loops too), on --device (auto: the GPU
+where there is one; with CUDA rows b and c compile, as predict.compile=auto does for a large job); wall-clock, so other processes on the machine slow every row. Scenes/s and
 megapixels/s count the scenes' pixels, not the windows'. Speed-up: against the naive loop with
 the same model (a for b, c; d for e, f).
 

@@ -89,8 +89,8 @@ def huge_pages_for_tensors() -> None:
     """PyTorch's CPU allocator asks the kernel for transparent huge pages for each tensor of 2 MB
     or more (THP_MEM_ALLOC_ENABLE, which PyTorch leaves off for the memory it may add): a
     full-resolution batch's tensors are tens to hundreds of MB, and each new one otherwise faults
-    in and zeroes 4 KB pages one at a time. `cloudseg segment` without a GPU on 2 cores: 2.3 → 1.8 s
-    for two 4200×8400 scenes, a quarter less CPU (BENCHMARKS.md); on a GPU the large host tensors
+    in and zeroes 4 KB pages one at a time. `cloudseg segment` without a GPU on 2 cores: 2.5 → 1.7-2.0
+    s for two 4200×8400 scenes, a quarter less CPU (BENCHMARKS.md); on a GPU the large host tensors
     are pinned memory, which this leaves alone. PyTorch reads it once, at its first allocation, so
     it is set before anything imports torch; the user's own setting wins (0: off)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
