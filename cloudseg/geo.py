@@ -1,4 +1,4 @@
-"""Satellite scenes for `cloudseg segment`: reading JPEG, PNG and GeoTIFF scenes window by window,
+"""Satellite scenes for `cloudseg segment`: reading JPEG, PNG and GeoTIFF scenes by windows (segment's: strips of rows),
 writing GeoTIFF outputs with the scene's georeference, and gridding pattern fractions on a
 latitude/longitude grid into one NetCDF dataset.
 
@@ -64,6 +64,7 @@ class ImageScene:
 
     crs = transform = None
     tags: dict = {}
+    block_rows = 1  # held whole: any rows are read alike
 
     def __init__(self, path: Path, device: torch.device | str = "cpu"):
         self.path = path
@@ -115,7 +116,8 @@ def check_pixels(path: Path, bands: int, dtype) -> None:
 
 
 class GeoTiffScene:
-    """A GeoTIFF scene read window by window (memory bounded by the window, not the scene).
+    """A GeoTIFF scene read by windows (memory bounded by the window, not the scene; segment reads
+    strips of rows, the blocks of `block_rows` whole).
     No-data: the file's nodata value, mask or alpha band (GDAL's dataset mask), and black pixels."""
 
     device = torch.device("cpu")  # where its windows are read to
@@ -133,6 +135,7 @@ class GeoTiffScene:
             raise ValueError(f"{path}: {self.dataset.count} bands; the model needs 3 (RGB): keep them first, "
                              "e.g. gdal_translate -b R -b G -b B")
         self.height, self.width = self.dataset.height, self.dataset.width
+        self.block_rows = self.dataset.block_shapes[0][0]  # the rows GDAL inflates at once
         self.crs, self.transform = self.dataset.crs, self.dataset.transform
         self.tags = self.dataset.tags()
         all_valid = geo_module("rasterio.enums").MaskFlags.all_valid

@@ -1,6 +1,6 @@
 """`cloudseg segment`: cloud-pattern maps of satellite scenes of any size, at native resolution.
 
-Data path (beyond the competition): checkpoint(s) → scene read by windows (cloudseg.geo) →
+Data path (beyond the competition): checkpoint(s) → scene read in strips of rows (cloudseg.geo) →
 **windows in batches through the ensemble, blended** → the run's tuned threshold → per-scene
 GeoTIFF or PNG maps, area fractions and the lat/lon grid (cloudseg.geo).
 
@@ -15,9 +15,10 @@ mask or alpha) get probability 0, are written as nodata and count in no fraction
 
 Where the work runs: the blend, the thresholds and the counts run where the model runs (torch on
 its device); on a GPU only the finished rows' uint8 bands and counts cross to the host, once per
-row of windows, and a JPEG scene is decoded there too. Windows are read ahead in threads, a batch
-in each (GDAL and OpenCV release the GIL); rows are encoded (`geo.output_bands`: OpenCV on a CPU)
-and written in another (`Writer`), a ZSTD map's strips compressed by threads of ours
+row of windows, and a JPEG scene is decoded there too. The scene is read once, in strips of rows
+read ahead in threads (GDAL and OpenCV release the GIL), and the windows are cut from the strips on
+the model's device; rows are encoded (`geo.output_bands`: OpenCV on a CPU)
+and written in another thread (`Writer`), a ZSTD map's strips compressed by threads of ours
 (`geo.CompressedStrips`; other codecs by GDAL's), and each scene is finished there (its last strips
 compressed, NAME.json) while the next scene is read and mapped.
 """
@@ -65,13 +66,18 @@ RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their fl
 # of the last one's writes, its encoded rows queued for them, up to WRITE_QUEUE_BYTES (and a strip per file).
 FILES_AT_ONCE = 1
 WRITE_QUEUE_BYTES = 2**30
-# Batches of windows read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
+# Strips of the scene read at once for a GPU, each in a thread (and with a GDAL handle) of its own: a
 # GPU predicts 1400x2100 windows faster than one thread inflates them from a deflated GeoTIFF. Half
-# the cores, at most 8 (a batch of four such windows is 35 MB of pinned memory): on an H100's 16
-# cores, with the maps' strips compressed in our threads, 4, 8 and 12 read the no-model row f at
-# 362, 526 and 546 megapixels/s, row c at 231, 215 and 223 (there the GPU bounds it; BENCHMARKS.md,
-# 2026-11-27, night). On a CPU one batch ahead, as the model's own threads take the cores.
+# the cores, at most 8: on an H100's 16 cores, when a batch of four windows was read in each thread,
+# 4, 8 and 12 read the no-model row f at 362, 526 and 546 megapixels/s, row c at 231, 215 and 223
+# (there the GPU bounds it; BENCHMARKS.md, 2026-11-27, night). On a CPU one strip ahead, as the
+# model's own threads take the cores.
 READ_AHEAD = max(1, min(8, usable_cores() // 2))
+# Rows of the scene read at once (rounded up to the file's blocks): each pixel is inflated once, where
+# windows read one by one inflated the overlaps again (1.78x the pixels at overlap 0.25; a 7000x18000
+# scene in 0.39 CPU s by windows, 0.16 whole, on the 2-core VM). Strips this short fill the first row of
+# windows in several threads at once, and hold 14 MB of a 18000-pixel-wide scene each.
+READ_ROWS = 256
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
 
@@ -209,13 +215,57 @@ def read_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> tupl
     return images, masks.pin_memory() if pin and host else masks
 
 
+def read_strips(height: int, block_rows: int) -> list[tuple[int, int]]:
+    """Row ranges [start, end) that read a scene `height` rows tall once, top to bottom, in strips
+    of READ_ROWS rows rounded up to the file's blocks (so one strip alone inflates each block)."""
+    rows = -(-READ_ROWS // block_rows) * block_rows
+    return [(start, min(height, start + rows)) for start in range(0, height, rows)]
+
+
+class ReadRows:
+    """The rows of a scene read so far and still needed, on the ensemble's device, in the strips
+    they came in (`strips`: (first row, 3×n×W uint8 pixels, n×W file mask or None) in order, read
+    ahead): each strip's pixels, and where they are valid (not black, and data where the file marks
+    no-data), made once, however many windows share them. `clock` gets the copies to the device."""
+
+    def __init__(self, strips, device: torch.device, clock: StageClock):
+        self.strips, self.device, self.clock = strips, device, clock
+        self.held, self.end = collections.deque(), 0  # (first row, pixels, valid) on the device; rows read
+
+    def hold(self, top: int, end: int) -> None:
+        """Hold rows [top, end): the strips wholly above `top` dropped, the next ones taken until `end`."""
+        while self.held and self.held[0][0] + self.held[0][1].shape[1] <= top:
+            self.held.popleft()
+        while self.end < end:
+            first, pixels, masks = next(self.strips)
+            with self.clock("to device"):
+                pixels = pixels.to(self.device, non_blocking=True)
+                valid = ~no_data(pixels[None])[0, 0]
+                if masks is not None:
+                    valid &= masks.to(self.device, non_blocking=True)
+            self.held.append((first, pixels, valid))
+            self.end = first + pixels.shape[1]
+
+    def window(self, images: torch.Tensor, valid: torch.Tensor, top: int, left: int) -> None:
+        """Copy the window at (top, left), of `images`' 3×h×w size, into `images` and `valid` (h×w),
+        from the strips held (`hold` them first)."""
+        height, width = images.shape[-2:]
+        for first, pixels, strip_valid in self.held:
+            start, stop = max(top, first), min(top + height, first + pixels.shape[1])
+            if start < stop:
+                images[:, start - top:stop - top] = pixels[:, start - first:stop - first, left:left + width]
+                valid[start - top:stop - top] = strip_valid[start - first:stop - first, left:left + width]
+
+
 def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float, clock: StageClock | None = None):
     """Yield (top, probabilities 4×n×W float32, valid n×W) for bands of final rows of `scene`,
     top to bottom, from its windows batched through the ensemble and blended, all on the
-    ensemble's device. A pixel is valid where it is not black (predict.no_data) and the file has
-    data there; off the data the probabilities are whatever the model said (output_bands writes
-    NODATA there). The bands are views of the blender's strips: read each before asking for the
-    band after next (as `Writer` and a plain loop do). `clock` gets each stage's seconds."""
+    ensemble's device. The scene is read once, in strips of rows ahead of the windows (`ReadRows`),
+    and each batch of windows is copied out of them. A pixel is valid where it is not black
+    (predict.no_data) and the file has data there; off the data the probabilities are whatever the
+    model said (output_bands writes NODATA there). The bands are views of the blender's strips:
+    read each before asking for the band after next (as `Writer` and a plain loop do). `clock`
+    gets each stage's seconds."""
     grid, device, clock = tiling(scene.height, scene.width, tile, overlap), ensemble.device, clock or StageClock()
     windows = [(row, column) for row in range(len(grid.tops)) for column in range(len(grid.lefts))]
     size = ensemble.config.predict.batch_size
@@ -223,20 +273,24 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
     weights = window_weights(grid, device)
     release_rows = RELEASE_ROWS if device.type == "cpu" else None  # a GPU hands a row of windows over at once
 
-    def read(batch):
-        boxes = [(grid.tops[row], grid.lefts[column], grid.height, grid.width) for row, column in batch]
+    def read(strip):
         with clock("read"):
-            return read_batch(scene, boxes, pin=device.type == "cuda")
+            (pixels,), masks = read_batch(scene, [(strip[0], 0, strip[1] - strip[0], scene.width)],
+                                          pin=device.type == "cuda")
+        return strip[0], pixels, None if masks is None else masks[0]
 
     blender, current_row = StripBlender(grid.height, scene.width, scene.height, device), 0
+    strips = read_strips(scene.height, scene.block_rows)
     # closed with this generator: its reads ahead finished before a caller that stops early closes the scene
-    with contextlib.closing(prefetched(read, batches, READ_AHEAD if device.type == "cuda" else 1)) as read_ahead:
-        for batch, (images, masks) in zip(batches, timed_items(read_ahead, clock, "wait for reads")):
+    with contextlib.closing(prefetched(read, strips, READ_AHEAD if device.type == "cuda" else 1)) as read_ahead:
+        rows_read = ReadRows(timed_items(read_ahead, clock, "wait for reads"), device, clock)
+        for batch in batches:
+            rows_read.hold(grid.tops[batch[0][0]], grid.tops[batch[-1][0]] + grid.height)
             with clock("to device"):
-                images = images.to(device, non_blocking=True)
-                valid = ~no_data(images)[:, 0]
-                if masks is not None:
-                    valid &= masks.to(device, non_blocking=True)
+                images = torch.empty((len(batch), 3, grid.height, grid.width), dtype=torch.uint8, device=device)
+                valid = torch.empty((len(batch), grid.height, grid.width), dtype=torch.bool, device=device)
+                for index, (row, column) in enumerate(batch):
+                    rows_read.window(images[index], valid[index], grid.tops[row], grid.lefts[column])
             with clock("model"):
                 probs = ensemble_native(ensemble, images, zero_black=False)[0]  # `valid` marks the black pixels
             for (row, column), window_probs, window_valid in zip(batch, probs, valid):

@@ -752,16 +752,19 @@ def test_segment_reads_windows_straight_into_pinned_memory(tmp_path):
 def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
     """The same scene through `cloudseg segment` on the CPU and on the GPU, the model a per-pixel
     function of the image (tests/test_segment.py's `pixelwise`, the same on both devices; on the
-    GPU behind queued work, `lagging`), in overlapping windows. Would catch: a blend, threshold,
-    no-data or count that differs on the GPU beyond float rounding (the bands within 1 level of
-    254, the masks and fractions equal but for pixels whose probability lies within 1/254 of a
-    threshold), and a band that the host reads or the blender reuses before the GPU is done with
-    it. Assumes: nothing."""
+    GPU behind queued work, `lagging`), in overlapping windows cut from strips of 24 rows (or the
+    file's blocks). Would catch: a blend, threshold, no-data or count that differs on the GPU beyond
+    float rounding (the bands within 1 level of 254, the masks and fractions equal but for pixels
+    whose probability lies within 1/254 of a threshold), a band that the host reads or the blender
+    reuses before the GPU is done with it, and a window torn on the GPU where it spans two strips
+    (a strip's pinned memory read again before its copy to the GPU is done). Assumes: nothing."""
+    from cloudseg import segment
     from cloudseg.geo import NODATA
     from tests.conftest import write_tiny_checkpoint
     from tests.test_segment import pixelwise, run_segment
 
     rasterio = pytest.importorskip("rasterio")
+    monkeypatch.setattr(segment, "READ_ROWS", 24)
     scene, checkpoint = gpu_segment_scene(tmp_path), write_tiny_checkpoint(tmp_path / "ck" / "best.pt")
     outputs = {}
     for device in ("cpu", "cuda"):

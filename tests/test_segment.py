@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from cloudseg import segment as segment_module
 from cloudseg.cli import main
 from cloudseg.geo import ImageScene, write_rgb_geotiff
-from cloudseg.predict import Ensemble, load_ensemble, load_model, predict_probs
+from cloudseg.predict import BLACK_LEVEL, Ensemble, load_ensemble, load_model, predict_probs
 from cloudseg.segment import blended_rows, tiling, window_starts
 from tests.conftest import write_tiny_checkpoint
 from tests.host_syncs import HostSyncs
@@ -165,10 +165,12 @@ def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble
 
 
 def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, monkeypatch):
-    """A scene ten rows of windows tall: the strip holds one window's height of the scene's width,
-    and the first rows leave before the third row of windows is read. Would catch: the scene
-    blended whole (a strip of the scene's height), or rows held back to the end."""
+    """A scene ten rows of windows tall, read in strips of a window's height: the blender's strip
+    holds one window's height of the scene's width, and the first rows leave before the third row
+    of windows is read. Would catch: the scene blended whole (a strip of the scene's height), or
+    rows held back to the end."""
     _, ensemble = tiny_ensemble
+    monkeypatch.setattr(segment_module, "READ_ROWS", 32)
     reads, strips = [], []
     scene = ImageArray(smooth_scene(320, 96))
     real_read, real_strip = scene.read, segment_module.StripBlender
@@ -197,6 +199,47 @@ def test_a_band_stays_as_it_was_yielded_while_the_next_one_is_made(tiny_ensemble
             assert torch.equal(previous[0], previous[1]) and torch.equal(previous[2], previous[3]), f"band {count - 1}"
         previous, count = (probs, probs.clone(), valid, valid.clone()), count + 1
     assert count >= 4  # rows of windows: 4
+
+
+@pytest.mark.parametrize("read_rows, profile", [(7, {"blockysize": 5}), (1000, {}),
+                                                (20, {"tiled": True, "blockxsize": 16, "blockysize": 16})])
+def test_a_geotiff_is_read_once_in_strips_and_its_windows_cut_from_them(tiny_ensemble, tmp_path, monkeypatch, read_rows,
+                                                                        profile):
+    """CPU. A GeoTIFF with a nodata value, windows overlapping by a quarter, batches of four
+    (across rows of windows), read in strips of `read_rows` rows (not a multiple of the window's
+    40, of the file's strips of 5 rows or tiles of 16; GDAL's own strips): each row of the scene is read once, whole, in
+    strips rounded up to the file's blocks, and the blend of a per-pixel model equals that model on
+    the whole scene read by rasterio, valid exactly where the file has data and the pixel is not
+    black. Would catch: a window cut from the wrong rows of a strip or the wrong strip (a shifted
+    or torn window), a strip dropped while a window of the batch still needs it, the validity of
+    another strip's rows, rows read twice (the windows read one by one, or strips overlapping) or
+    never, and a strip ending inside one of the file's tiles (inflated by two strips)."""
+    from rasterio.windows import Window
+
+    from cloudseg.geo import GeoTiffScene, open_scene
+
+    monkeypatch.setattr(segment_module, "READ_ROWS", read_rows)
+    image = smooth_scene(90, 130, seed=3)
+    image[:25, :40] = 200  # the file's nodata value, not black
+    image[60:70, 100:] = 0  # black: no data either
+    path = write_rgb_geotiff(tmp_path / "scene.tif", image, "EPSG:4326", from_origin(-60, 15, 0.1, 0.1), nodata=200,
+                             **profile)
+    reads, real_read = [], GeoTiffScene.read
+    monkeypatch.setattr(GeoTiffScene, "read", lambda scene, *box, **out: reads.append(box) or real_read(scene, *box, **out))
+    ensemble = stand_in(pixelwise, tiny_ensemble[1].config, batch_size=4)  # 3 windows a row
+    with open_scene(path) as scene:
+        block_rows = scene.block_rows
+        rows = [(top, probs.clone(), valid.clone()) for top, probs, valid in blended_rows(scene, ensemble, (40, 60), 0.25)]
+    probs, valid = torch.cat([probs for _, probs, _ in rows], 1), torch.cat([valid for _, _, valid in rows], 0)
+    with rasterio.open(path) as dataset:
+        pixels = dataset.read((1, 2, 3))
+        data = dataset.dataset_mask(window=Window(0, 0, 130, 90)) > 0
+        assert block_rows == profile.get("blockysize", dataset.block_shapes[0][0])
+    strip = -(-read_rows // block_rows) * block_rows
+    assert reads == [(top, 0, min(strip, 90 - top), 130) for top in range(0, 90, strip)]
+    expected = torch.sigmoid(pixelwise(torch.from_numpy(pixels)[None]))[0]
+    assert torch.equal(valid, torch.from_numpy(data & (pixels.max(0) > BLACK_LEVEL)))
+    assert torch.allclose(probs[:, valid], expected[:, valid], atol=1e-5)
 
 
 def test_windows_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gdal_handle(tmp_path):
