@@ -8,7 +8,7 @@ in windows of --tile (default 384x576). Rows:
                             predicted and pasted into a whole-scene array, then written (4 bands,
                             segment's default codec): the hand-written loop of scripts that map scenes
   b. cloudseg, overlap 0    `segment.segment` with the naive loop's windows, batched (--batch):
-                            the next batch read and the finished rows written meanwhile in threads,
+                            the scene read in strips ahead, the finished rows written meanwhile,
                             8 bands, fractions
   c. cloudseg, overlap 0.25 the default: more windows (neighbours share a quarter), blended
   d., e., f.                the same three with the model replaced by a constant (zero logits,

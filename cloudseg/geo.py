@@ -2,7 +2,7 @@
 writing GeoTIFF outputs with the scene's georeference, and gridding pattern fractions on a
 latitude/longitude grid into one NetCDF dataset.
 
-Data path (beyond the competition): scene → **windows read here** → model (cloudseg.segment) →
+Data path (beyond the competition): scene → **read here** (segment's strips of rows) → model (cloudseg.segment) →
 blended probabilities → **GeoTIFF / PNG outputs, fractions, lat/lon grid written here**.
 
 rasterio (GeoTIFF) and xarray (NetCDF, written through scipy) come with the optional extra

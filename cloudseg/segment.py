@@ -188,8 +188,8 @@ class StripBlender:
 
 def prefetched(function, items: list, ahead: int = 1):
     """function(item) for each item, in order, the next `ahead` ones computed meanwhile, each in a
-    thread of its own (reading windows overlaps the model's work, and other reads: GDAL and OpenCV
-    release the GIL; `Writer` overlaps the writing likewise)."""
+    thread of its own (reading a scene's strips overlaps the model's work, and other reads: GDAL and
+    OpenCV release the GIL; `Writer` overlaps the writing likewise)."""
     with concurrent.futures.ThreadPoolExecutor(ahead) as pool:
         pending = collections.deque(pool.submit(function, item) for item in items[:ahead])
         for index in range(len(items)):
@@ -217,8 +217,10 @@ def read_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> tupl
 
 def read_strips(height: int, block_rows: int) -> list[tuple[int, int]]:
     """Row ranges [start, end) that read a scene `height` rows tall once, top to bottom, in strips
-    of READ_ROWS rows rounded up to the file's blocks (so one strip alone inflates each block)."""
-    rows = -(-READ_ROWS // block_rows) * block_rows
+    of READ_ROWS rows rounded up to the file's blocks (so one strip alone inflates each block).
+    Blocks over 4 × READ_ROWS tall are not waited for whole: such a file is read in READ_ROWS all
+    the same (its blocks inflated by each strip they span), its strips held in memory as any."""
+    rows = READ_ROWS if block_rows > 4 * READ_ROWS else -(-READ_ROWS // block_rows) * block_rows
     return [(start, min(height, start + rows)) for start in range(0, height, rows)]
 
 
@@ -237,7 +239,10 @@ class ReadRows:
         while self.held and self.held[0][0] + self.held[0][1].shape[1] <= top:
             self.held.popleft()
         while self.end < end:
-            first, pixels, masks = next(self.strips)
+            strip = next(self.strips, None)
+            if strip is None:  # read_strips covers every row: only a window off the scene gets here
+                raise RuntimeError(f"rows to {end} held, but the scene's strips end at row {self.end}")
+            first, pixels, masks = strip
             with self.clock("to device"):
                 pixels = pixels.to(self.device, non_blocking=True)
                 valid = ~no_data(pixels[None])[0, 0]

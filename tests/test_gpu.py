@@ -804,17 +804,19 @@ def test_segment_rows_reach_the_host_without_waiting_for_the_work_queued_after_t
     assert torch.equal(on_host[0], expected) and torch.equal(on_host[1], 2 * expected)
 
 
-def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_path):
+def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_path, monkeypatch):
     """blended_rows and geo.output_bands on the GPU under torch.cuda.set_sync_debug_mode("error"),
-    each batch behind queued work (`lagging`), after one warm-up scene: any sync that
+    each batch behind queued work (`lagging`), its windows cut from strips of 24 rows (or the
+    file's blocks: several a window, dropped as the rows go down), after one warm-up scene: any sync that
     syncs.named_sync does not name raises; the named one, "segment rows", comes once per row of
     windows. Would catch: a window's probabilities or
     weights read on the host, a blocking copy per batch (pixels from pageable memory), a count read
     with .item(). Assumes: nothing."""
-    from cloudseg import syncs
+    from cloudseg import segment, syncs
     from cloudseg.geo import open_scene, output_bands
     from cloudseg.predict import Ensemble
     from cloudseg.segment import blended_rows, tiling
+    monkeypatch.setattr(segment, "READ_ROWS", 24)
     scene_path = gpu_segment_scene(tmp_path)
     config = load_config("configs/demo.yaml", ["predict.batch_size=3"])
     ensemble = Ensemble(config, 1000, gpu(), None, False, [lagging])

@@ -166,11 +166,15 @@ def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble
 
 def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, monkeypatch):
     """A scene ten rows of windows tall, read in strips of a window's height: the blender's strip
-    holds one window's height of the scene's width, and the first rows leave before the third row
-    of windows is read. Would catch: the scene blended whole (a strip of the scene's height), or
-    rows held back to the end."""
+    holds one window's height of the scene's width, the first rows leave before the third row
+    of windows is read, and the strips read are dropped as the windows go down. Would catch: the
+    scene blended whole (a strip of the scene's height), rows held back to the end, or strips
+    kept (the scene held whole on the device by the end)."""
     _, ensemble = tiny_ensemble
     monkeypatch.setattr(segment_module, "READ_ROWS", 32)
+    held, real_hold = [], segment_module.ReadRows.hold
+    monkeypatch.setattr(segment_module.ReadRows, "hold",
+                        lambda rows, *span: real_hold(rows, *span) or held.append(len(rows.held)))
     reads, strips = [], []
     scene = ImageArray(smooth_scene(320, 96))
     real_read, real_strip = scene.read, segment_module.StripBlender
@@ -181,6 +185,7 @@ def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, mon
     _, first, _ = next(rows)
     assert strips == [(32, 96)] and max(reads) < 3 * 32
     assert first.shape[1] + sum(probs.shape[1] for _, probs, _ in rows) == 320 and max(reads) == 320 - 32
+    assert len(held) == 10 and max(held) == 1  # a batch a row of windows, a strip each: the ones above dropped
 
 
 @pytest.mark.parametrize("release_rows", [None, 8])
@@ -206,8 +211,9 @@ def test_a_band_stays_as_it_was_yielded_while_the_next_one_is_made(tiny_ensemble
 def test_a_geotiff_is_read_once_in_strips_and_its_windows_cut_from_them(tiny_ensemble, tmp_path, monkeypatch, read_rows,
                                                                         profile):
     """CPU. A GeoTIFF with a nodata value, windows overlapping by a quarter, batches of four
-    (across rows of windows), read in strips of `read_rows` rows (not a multiple of the window's
-    40, of the file's strips of 5 rows or tiles of 16; GDAL's own strips): each row of the scene is read once, whole, in
+    (across rows of windows), read in strips of `read_rows` rows (7 and 20: multiples of neither
+    the window's 40 rows nor the file's strips of 5 rows or tiles of 16; 1000: the scene in one
+    strip, in GDAL's own strips): each row of the scene is read once, whole, in
     strips rounded up to the file's blocks, and the blend of a per-pixel model equals that model on
     the whole scene read by rasterio, valid exactly where the file has data and the pixel is not
     black. Would catch: a window cut from the wrong rows of a strip or the wrong strip (a shifted
@@ -240,6 +246,17 @@ def test_a_geotiff_is_read_once_in_strips_and_its_windows_cut_from_them(tiny_ens
     expected = torch.sigmoid(pixelwise(torch.from_numpy(pixels)[None]))[0]
     assert torch.equal(valid, torch.from_numpy(data & (pixels.max(0) > BLACK_LEVEL)))
     assert torch.allclose(probs[:, valid], expected[:, valid], atol=1e-5)
+
+
+def test_strips_are_rounded_up_to_the_file_s_blocks_unless_those_are_taller_than_four_strips(monkeypatch):
+    """Would catch: a strip ending inside a block (two strips would inflate it), a block taller than
+    four strips waited for whole (a file of one 3000-row block held whole), rows left out or read
+    twice at the scene's end."""
+    monkeypatch.setattr(segment_module, "READ_ROWS", 100)
+    assert segment_module.read_strips(250, 1) == [(0, 100), (100, 200), (200, 250)]
+    assert segment_module.read_strips(250, 64) == [(0, 128), (128, 250)]
+    assert segment_module.read_strips(1000, 400) == [(0, 400), (400, 800), (800, 1000)]
+    assert segment_module.read_strips(450, 401) == [(0, 100), (100, 200), (200, 300), (300, 400), (400, 450)]
 
 
 def test_windows_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gdal_handle(tmp_path):

@@ -214,14 +214,16 @@ def test_a_scene_stopped_by_a_failed_write_is_closed_only_after_its_reads_ahead(
             raise OSError(28, "No space left on device")
         return write(out, top, bands)
 
+    monkeypatch.setattr(segment_module, "READ_ROWS", 16)  # the scene in many strips: stopping early shows
     monkeypatch.setattr(geo.GeoTiffScene, "read", slow_read)
     monkeypatch.setattr(geo.GeoTiffScene, "close", logged_close)
     monkeypatch.setattr(geo, "write_geotiff_rows", failing_for_b)
     assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
     closed = next(when for what, when in events if what == "close")
     assert all(when + 0.05 <= closed for what, when in events if what == "read")  # each read done before
-    grid = segment_module.tiling(320, 230, OPTIONS.tile, OPTIONS.overlap)
-    assert sum(what == "read" for what, _ in events) < len(grid.tops) * len(grid.lefts)  # stopped early
+    with rasterio.open(scenes[1]) as scene:
+        strips = segment_module.read_strips(scene.height, scene.block_shapes[0][0])
+    assert sum(what == "read" for what, _ in events) < len(strips)  # stopped early
 
 
 def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_path, monkeypatch, files_at_once,
