@@ -3,8 +3,10 @@ CPU, named: the rows and defaults that the tests expect are the CPU's (on a GPU 
 benchmark prints bf16 and fp16 rows instead of fp32 ones)."""
 
 import json
+import os
 import py_compile
 import re
+import shutil
 import subprocess
 import sys
 
@@ -177,6 +179,31 @@ def test_segment_benchmark_prints_its_table():
     # thread's must be (all three printed to 0.01 s)
     assert "| writing thread's CPU s |" in out
     assert all(float(row[4]) <= min(float(row[2]), float(row[3])) + 0.01 for row in writes), writes
+
+
+def test_two_versions_are_timed_in_turn_each_with_its_own_code(tmp_path):
+    """benchmarks/in_turn.sh with a copy of this tree as BASE, marked so that its cloudseg says it
+    was imported, twice each, on the CPU. Would catch: the base's benchmark importing this tree's
+    cloudseg (PYTHONPATH, or the script's folder, not the version's own), runs not in turn (base,
+    this, base, this), a run's row lost from the table, and a BASE without cloudseg/ taken."""
+    base = tmp_path / "base"
+    for folder in ("cloudseg", "benchmarks", "configs"):
+        shutil.copytree(folder, base / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(base / "cloudseg" / "__init__.py", "a") as init:
+        init.write("\nprint('BASE cloudseg imported from', __file__, flush=True)\n")
+    command = ["bash", "benchmarks/in_turn.sh", str(base), "2", *SEGMENT_SPEED[1:], "--rows", "f", "--no-writes",
+               "--no-fixed-cost", "--files-at-once", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OUT": str(tmp_path / "out"), "PY": sys.executable})
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(" | ")[:3] for line in done.stdout.splitlines() if line.startswith("| 1 |") or
+            line.startswith("| 2 |")]
+    assert rows == [["| 1", "base", "f"], ["| 1", "this", "f"], ["| 2", "base", "f"], ["| 2", "this", "f"]]
+    for run in (1, 2):
+        assert f"BASE cloudseg imported from {base}/cloudseg/__init__.py" in (tmp_path / "out" / f"{run}-base.log").read_text()
+        assert "BASE cloudseg" not in (tmp_path / "out" / f"{run}-this.log").read_text()
+    refused = subprocess.run(["bash", "benchmarks/in_turn.sh", str(tmp_path), "1"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "BASE: a folder with cloudseg/" in refused.stderr
 
 
 @pytest.mark.slow  # four new processes that import cloudseg: about 95 s on 2 cores
