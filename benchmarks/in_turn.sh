@@ -13,6 +13,7 @@ set -u
   "(BASE: a folder with cloudseg/ of the other version)" >&2; exit 2; }
 BASE=$(cd "$1" && pwd) RUNS=$2; shift 2
 mkdir -p "${OUT:=bench/in-turn}" && OUT=$(cd "$OUT" && pwd)
+rm -f "$OUT"/*-base.log "$OUT"/*-this.log "$OUT/exits.txt"  # an earlier call's runs are not this one's
 PY=${PY:-python3} SITE=
 case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # the same one from BASE
 if ! $PY -c "import segmentation_models_pytorch, rasterio, tifffile, zstandard" 2>/dev/null; then
