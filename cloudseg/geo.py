@@ -473,6 +473,15 @@ _compressors = threading.local()
 # their names for tifffile; the others are GDAL's (`gdal_geotiff`). Not deflate: GDAL's libdeflate took
 # 0.86 CPU s where zlib in our threads took 1.22 for the same maps (2-core VM, 2026-11-27).
 STRIP_ENCODERS = {"zstd": zstd_strip}
+# Strips handed to the threads and not yet compressed, at most (their rows' bytes), or a task for each
+# thread where that is more (a task: every band's strip at a row, 9 MB for eight bands of 18000 pixels;
+# fewer would leave threads idle while the writer fetches the next rows): a writer ahead of them waits.
+# The strips are views of the rows given to `CompressedStrips.write`, which they keep whole meanwhile:
+# the newest ones, the last release or two of a GPU's (1050 rows of eight bands of 18000 pixels: 151 MB).
+PENDING_BYTES = 64 << 20
+# Compressed bytes above which a map is laid out as a BigTIFF (tifffile decides so only for
+# uncompressed data): classic TIFF's 32-bit offsets, less tifffile's own margin for its directories.
+CLASSIC_TIFF_BYTES = 2**32 - 2**25
 
 
 def encoded_each(encode, strips: np.ndarray) -> list[bytes]:
@@ -480,14 +489,6 @@ def encoded_each(encode, strips: np.ndarray) -> list[bytes]:
     CompressedStrips' threads. A task for each band's strip cost the writing thread 3x the CPU
     (eight 7000x18000 bands of a constant map: 24 ms, 8 ms so; 2-core VM, 2026-11-28)."""
     return [encode(np.ascontiguousarray(strip)) for strip in strips]  # a view where it already is
-# Strips handed to the threads and not yet compressed, at most (their rows' bytes): a writer ahead of
-# them waits. The strips are views of the rows given to `CompressedStrips.write`, which they keep
-# whole meanwhile: the newest ones, the last release or two of a GPU's (1050 rows of eight bands of
-# 18000 pixels: 151 MB).
-PENDING_BYTES = 64 << 20
-# Compressed bytes above which a map is laid out as a BigTIFF (tifffile decides so only for
-# uncompressed data): classic TIFF's 32-bit offsets, less tifffile's own margin for its directories.
-CLASSIC_TIFF_BYTES = 2**32 - 2**25
 
 
 class CompressedStrips:
@@ -499,7 +500,7 @@ class CompressedStrips:
     two maps, ours 0.15; BENCHMARKS.md, 2026-11-27, night). Here the threads read the rows where
     they lie. The compressed strips wait in a spool beside the map (an unnamed file, gone when
     closed) until it is laid out: memory holds the rows of the strips not yet compressed (at most
-    PENDING_BYTES of strips, and the releases they belong to), never the map."""
+    PENDING_BYTES of strips or a task for each thread, and the releases they belong to), never the map."""
 
     def __init__(self, path: Path, shape: tuple[int, int, int], compress: str, published: Path | None = None):
         self.path, self.shape, self.compress = path, shape, compress
@@ -507,6 +508,7 @@ class CompressedStrips:
         self.name, self.closed = str(path), False  # as a rasterio dataset's: the file written, and whether closed
         self.pool = concurrent.futures.ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cloudseg-compress")
         self.pending, self.pending_bytes = collections.deque(), 0  # ([(band, strip)], future, rows' bytes), oldest first
+        self.backlog = max(PENDING_BYTES, WRITE_THREADS * shape[0] * OUTPUT_STRIP_ROWS * shape[2])  # see PENDING_BYTES
         self.places: dict[tuple[int, int], tuple[int, int]] = {}  # (band, strip) -> (offset, length) in the spool
         self.spool = tempfile.TemporaryFile(dir=path.parent)
 
@@ -529,8 +531,8 @@ class CompressedStrips:
 
     def spill(self, everything: bool = False) -> None:
         """Append the compressed strips to the spool, oldest first: those done, and more (waiting
-        for them) while over PENDING_BYTES of rows are pending, or all with `everything`."""
-        while self.pending and (everything or self.pending_bytes > PENDING_BYTES or self.pending[0][1].done()):
+        for them) while over its backlog of rows are pending, or all with `everything`."""
+        while self.pending and (everything or self.pending_bytes > self.backlog or self.pending[0][1].done()):
             keys, future, nbytes = self.pending.popleft()
             try:
                 compressed = future.result()

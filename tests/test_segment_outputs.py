@@ -264,13 +264,14 @@ def test_whole_strips_refuse_rows_out_of_order_and_tell_rows_never_written(monke
 
 
 def test_compressed_strips_wait_while_their_threads_are_behind_and_lay_out_every_strip(tmp_path, monkeypatch):
-    """CPU. geo.CompressedStrips with slow compression (20 ms a strip, 3 threads) and room for 4
-    strips of rows pending. Would catch: a writer that never waits (the rows of a whole map held
-    for threads far behind), strips compressed in the writer's thread alone, strips laid out out
-    of place (the file read back must equal the bands), or a spool left beside the map."""
-    scene, path = bare_scene(tmp_path)
+    """CPU. geo.CompressedStrips with slow compression (20 ms a strip, 3 threads) and room for 16
+    strips of rows pending (four tasks of four bands' strips; the 32 strips of the map do not
+    fit). Would catch: a writer that never waits (the rows of a whole map held for threads far
+    behind), strips compressed in the writer's thread alone, strips laid out out of place (the file
+    read back must equal the bands), or a spool left beside the map."""
+    scene, path = bare_scene(tmp_path, height=8 * geo.OUTPUT_STRIP_ROWS)
     strip_bytes = geo.OUTPUT_STRIP_ROWS * scene.width
-    monkeypatch.setattr(geo, "PENDING_BYTES", 4 * strip_bytes)
+    monkeypatch.setattr(geo, "PENDING_BYTES", 16 * strip_bytes)
     monkeypatch.setattr(geo, "WRITE_THREADS", 3)
     threads, compressed, zstd = set(), [], geo.STRIP_ENCODERS["zstd"]
 
@@ -288,12 +289,46 @@ def test_compressed_strips_wait_while_their_threads_are_behind_and_lay_out_every
             out.write(top, bands[:, top:top + geo.OUTPUT_STRIP_ROWS])
             handed = bands[:, :top + geo.OUTPUT_STRIP_ROWS].nbytes
             pending.append(handed - sum(compressed))  # rows handed to the threads and not yet compressed
-    assert max(pending) <= 4 * strip_bytes and max(pending) > 0  # waited for the threads, which were behind
+    assert max(pending) <= 16 * strip_bytes and max(pending) > 0  # waited for the threads, which were behind
     assert len(threads) > 1 and threading.get_ident() not in threads
     assert [file.name for file in tmp_path.iterdir()] == ["map.tif"]
     with rasterio.open(path) as written:
         assert written.compression.name.lower() == "zstd" and np.array_equal(written.read(), bands)
         assert written.block_shapes[0] == (geo.OUTPUT_STRIP_ROWS, scene.width)
+
+
+def test_compressed_strips_keep_a_task_for_each_thread_however_small_the_backlog(tmp_path, monkeypatch):
+    """CPU. geo.CompressedStrips with a backlog of one byte, 3 threads and slow compression, rows
+    handed one strip at a time: each thread still gets a task (every band's strip at a row) while
+    the writer hands over the next rows, and no more are held. Would catch: the writer waiting for
+    every task before the next (one thread at work: the threads idle while it fetches rows, which
+    the coarse tasks of every band's strip would cause under a backlog in bytes alone), or a
+    backlog that holds more than a task a thread."""
+    scene, path = bare_scene(tmp_path, height=8 * geo.OUTPUT_STRIP_ROWS)
+    task_bytes = 4 * geo.OUTPUT_STRIP_ROWS * scene.width  # four bands' strips
+    monkeypatch.setattr(geo, "PENDING_BYTES", 1)
+    monkeypatch.setattr(geo, "WRITE_THREADS", 3)
+    running, most, lock, zstd = [0], [0], threading.Lock(), geo.STRIP_ENCODERS["zstd"]
+
+    def slow(strip):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.005)
+        with lock:
+            running[0] -= 1
+        return zstd(strip)
+
+    monkeypatch.setitem(geo.STRIP_ENCODERS, "zstd", slow)
+    bands = np.random.default_rng(1).integers(0, 255, (4, scene.height, scene.width), dtype=np.uint8)
+    with geo.CompressedStrips(path, bands.shape, "zstd") as strips:
+        held = []
+        for top in range(0, scene.height, geo.OUTPUT_STRIP_ROWS):
+            strips.write(top, bands[:, top:top + geo.OUTPUT_STRIP_ROWS])
+            held.append(strips.pending_bytes)
+    assert most[0] == 3 and max(held) <= 3 * task_bytes
+    with rasterio.open(path) as written:
+        assert np.array_equal(written.read(), bands)
 
 
 def test_compressed_strips_refuse_rows_off_their_strips_and_name_the_rows_never_written(tmp_path):
