@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -183,26 +184,39 @@ def test_segment_benchmark_prints_its_table():
 
 def test_two_versions_are_timed_in_turn_each_with_its_own_code(tmp_path):
     """benchmarks/in_turn.sh with a copy of this tree as BASE, marked so that its cloudseg says it
-    was imported, twice each, on the CPU. Would catch: the base's benchmark importing this tree's
-    cloudseg (PYTHONPATH, or the script's folder, not the version's own), runs not in turn (base,
-    this, base, this), a run's row lost from the table, and a BASE without cloudseg/ taken."""
+    was imported, twice each, on the CPU, called from another folder with a PYTHONPATH of its own;
+    then once with BASE's benchmark failing. Would catch: the base's benchmark importing this tree's
+    cloudseg (PYTHONPATH, or the script's folder, not the version's own), the caller's PYTHONPATH
+    dropped (a lent machine's wheels), runs not in turn (base, this, base, this), a run's row lost
+    from the table, a failed run left out of it with exit status 0, and a BASE without cloudseg/ taken."""
     base = tmp_path / "base"
     for folder in ("cloudseg", "benchmarks", "configs"):
         shutil.copytree(folder, base / folder, ignore=shutil.ignore_patterns("__pycache__"))
     with open(base / "cloudseg" / "__init__.py", "a") as init:
-        init.write("\nprint('BASE cloudseg imported from', __file__, flush=True)\n")
-    command = ["bash", "benchmarks/in_turn.sh", str(base), "2", *SEGMENT_SPEED[1:], "--rows", "f", "--no-writes",
-               "--no-fixed-cost", "--files-at-once", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OUT": str(tmp_path / "out"), "PY": sys.executable})
-    assert done.returncode == 0, done.stderr
-    rows = [line.split(" | ")[:3] for line in done.stdout.splitlines() if line.startswith("| 1 |") or
-            line.startswith("| 2 |")]
-    assert rows == [["| 1", "base", "f"], ["| 1", "this", "f"], ["| 2", "base", "f"], ["| 2", "this", "f"]]
+        init.write("\nimport marker  # noqa: F401 -- from the caller's PYTHONPATH\n"
+                   "print('BASE cloudseg imported from', __file__, flush=True)\n")
+    (tmp_path / "path").mkdir()
+    (tmp_path / "path" / "marker.py").write_text("")
+    script = Path("benchmarks/in_turn.sh").resolve()
+
+    def in_turn(runs, *options):
+        return subprocess.run(["bash", str(script), str(base), str(runs), *options], capture_output=True, text=True,
+                              timeout=600, cwd=tmp_path, env={**os.environ, "OUT": str(tmp_path / "out"),
+                                                              "PY": sys.executable, "PYTHONPATH": str(tmp_path / "path")})
+
+    done = in_turn(2, *SEGMENT_SPEED[1:], "--rows", "f", "--no-writes", "--no-fixed-cost", "--files-at-once", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if re.match(r"\| \d \|", line)]
+    assert [(row[0], row[1], row[2][:2]) for row in rows] == [("| 1", "base", "f."), ("| 1", "this", "f."),
+                                                              ("| 2", "base", "f."), ("| 2", "this", "f.")]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 and row[5].strip(" |") for row in rows), rows
     for run in (1, 2):
         assert f"BASE cloudseg imported from {base}/cloudseg/__init__.py" in (tmp_path / "out" / f"{run}-base.log").read_text()
         assert "BASE cloudseg" not in (tmp_path / "out" / f"{run}-this.log").read_text()
-    refused = subprocess.run(["bash", "benchmarks/in_turn.sh", str(tmp_path), "1"], capture_output=True, text=True)
+    (base / "benchmarks" / "segment_speed.py").write_text("raise SystemExit(3)\n")
+    failed = in_turn(1, *SEGMENT_SPEED[1:], "--rows", "e", "--no-writes", "--no-fixed-cost", "--files-at-once", "1")
+    assert failed.returncode == 1 and "| 1 | base | failed (exit 3;" in failed.stdout and "| 1 | this | e." in failed.stdout
+    refused = subprocess.run(["bash", str(script), str(tmp_path), "1"], capture_output=True, text=True)
     assert refused.returncode == 2 and "BASE: a folder with cloudseg/" in refused.stderr
 
 
