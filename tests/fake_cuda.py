@@ -265,6 +265,10 @@ class FakeCuda:
         cards = self.cards
         monkeypatch.setattr(torch.version, "cuda", cuda)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(cards))
+        # FakeTensorMode's first CUDA tensor makes a real one to start the GPU's context where torch.cuda
+        # says it is available (torch 2.11; 2.15 asks torch.accelerator): a fake GPU has no context to start
+        from torch._subclasses import fake_tensor
+        monkeypatch.setattr(fake_tensor, "init_gpu_context", lambda device: None)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(cards))
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
