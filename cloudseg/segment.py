@@ -225,41 +225,56 @@ def read_strips(height: int, block_rows: int) -> list[tuple[int, int]]:
 
 
 class ReadRows:
-    """The rows of a scene read so far and still needed, on the ensemble's device, in the strips
-    they came in (`strips`: (first row, 3×n×W uint8 pixels, n×W file mask or None) in order, read
-    ahead): each strip's pixels, and where they are valid (not black, and data where the file marks
-    no-data), made once, however many windows share them. `clock` gets the copies to the device."""
+    """The rows of a scene read so far and still needed, on the ensemble's device, in one ring of
+    `capacity` rows (scene row r at ring row r % capacity): each strip read ahead (`strips`: (first
+    row, 3×n×W uint8 pixels, n×W file mask or None) in order) copied in once, where it is valid (not
+    black, and data where the file marks no-data) made once, however many windows share it; and
+    each window one slice of it, or two where it wraps. A ring rather than the strips kept apart: a
+    1400-row window spans six or seven strips of 256 rows, 14 copies for its pixels and validity,
+    against 2 from the ring (4 where it wraps); on a GPU each is a launch queued by the one thread
+    that feeds it. `clock` gets the copies to the device."""
 
-    def __init__(self, strips, device: torch.device, clock: StageClock):
-        self.strips, self.device, self.clock = strips, device, clock
-        self.held, self.end = collections.deque(), 0  # (first row, pixels, valid) on the device; rows read
+    def __init__(self, strips, width: int, capacity: int, device: torch.device, clock: StageClock):
+        self.strips, self.capacity, self.clock = strips, capacity, clock
+        self.pixels = torch.empty((3, capacity, width), dtype=torch.uint8, device=device)
+        self.valid = torch.empty((capacity, width), dtype=torch.bool, device=device)
+        self.end = 0  # the rows read so far: [0, end); those from end - capacity are in the ring
+
+    def pieces(self, start: int, stop: int) -> list[tuple[slice, slice]]:
+        """(ring rows, rows from `start`) of the scene's rows [start, stop): one piece, or two where they wrap."""
+        first, count = start % self.capacity, stop - start
+        head = min(count, self.capacity - first)
+        wrapped = [(slice(0, count - head), slice(head, count))] if head < count else []
+        return [(slice(first, first + head), slice(0, head))] + wrapped
 
     def hold(self, top: int, end: int) -> None:
-        """Hold rows [top, end): the strips wholly above `top` dropped, the next ones taken until `end`."""
-        while self.held and self.held[0][0] + self.held[0][1].shape[1] <= top:
-            self.held.popleft()
+        """Hold rows [top, end): the strips read until `end`, over rows above `top` (no longer needed)."""
         while self.end < end:
             strip = next(self.strips, None)
             if strip is None:  # read_strips covers every row: only a window off the scene gets here
                 raise RuntimeError(f"rows to {end} held, but the scene's strips end at row {self.end}")
             first, pixels, masks = strip
+            if first + pixels.shape[1] - top > self.capacity:
+                raise RuntimeError(f"rows {top} to {first + pixels.shape[1]} held in a ring of {self.capacity}")
             with self.clock("to device"):
-                pixels = pixels.to(self.device, non_blocking=True)
+                # whole to the device first: a piece of a pinned strip is no contiguous block, which torch
+                # would copy to unpinned memory before it crossed, and wait for
+                pixels = pixels.to(self.pixels.device, non_blocking=True)
                 valid = ~no_data(pixels[None])[0, 0]
                 if masks is not None:
-                    valid &= masks.to(self.device, non_blocking=True)
-            self.held.append((first, pixels, valid))
+                    valid &= masks.to(self.valid.device, non_blocking=True)
+                for ring, rows in self.pieces(first, first + pixels.shape[1]):
+                    self.pixels[:, ring] = pixels[:, rows]
+                    self.valid[ring] = valid[rows]
             self.end = first + pixels.shape[1]
 
     def window(self, images: torch.Tensor, valid: torch.Tensor, top: int, left: int) -> None:
         """Copy the window at (top, left), of `images`' 3×h×w size, into `images` and `valid` (h×w),
-        from the strips held (`hold` them first)."""
+        from the rows held (`hold` them first)."""
         height, width = images.shape[-2:]
-        for first, pixels, strip_valid in self.held:
-            start, stop = max(top, first), min(top + height, first + pixels.shape[1])
-            if start < stop:
-                images[:, start - top:stop - top] = pixels[:, start - first:stop - first, left:left + width]
-                valid[start - top:stop - top] = strip_valid[start - first:stop - first, left:left + width]
+        for ring, rows in self.pieces(top, top + height):
+            images[:, rows] = self.pixels[:, ring, left:left + width]
+            valid[rows] = self.valid[ring, left:left + width]
 
 
 def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float, clock: StageClock | None = None):
@@ -286,9 +301,12 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
 
     blender, current_row = StripBlender(grid.height, scene.width, scene.height, device), 0
     strips = read_strips(scene.height, scene.block_rows)
+    # the rows a batch spans, and the last strip's beyond them (a scene no taller: one that never wraps)
+    ring = min(scene.height, max(grid.tops[batch[-1][0]] - grid.tops[batch[0][0]] for batch in batches) +
+               grid.height + max(end - start for start, end in strips))
     # closed with this generator: its reads ahead finished before a caller that stops early closes the scene
     with contextlib.closing(prefetched(read, strips, READ_AHEAD if device.type == "cuda" else 1)) as read_ahead:
-        rows_read = ReadRows(timed_items(read_ahead, clock, "wait for reads"), device, clock)
+        rows_read = ReadRows(timed_items(read_ahead, clock, "wait for reads"), scene.width, ring, device, clock)
         for batch in batches:
             rows_read.hold(grid.tops[batch[0][0]], grid.tops[batch[-1][0]] + grid.height)
             with clock("to device"):

@@ -55,3 +55,28 @@ class HostSyncs(TorchDispatchMode):
             if source and target_type and source != {target_type}:
                 return f"a copy between {'/'.join(sorted(source))} and {target_type}"
         return None
+
+
+class StagedCopies(TorchDispatchMode):
+    """Records each copy from the host to a GPU whose host source is no contiguous block (after
+    broadcasting to the target): torch copies such a source into new, unpinned host memory first
+    (Copy.cu's temporaries), and a copy from unpinned memory may hold the host until it is through,
+    `non_blocking` or not. The sync debug mode does not see it (no sync is called), so HostSyncs
+    does not either."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[tuple[str, tuple[int, ...]]] = []  # (operation, the source's shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._to_copy.default and args[0].device.type == "cpu" and \
+                torch.device(kwargs.get("device") or "cpu").type == "cuda":
+            source = args[0]
+        elif func is aten.copy_.default and args[1].device.type == "cpu" and args[0].device.type == "cuda":
+            source = args[1].expand_as(args[0])
+        else:
+            source = None
+        if source is not None and not source.is_contiguous():
+            self.found.append((str(func), tuple(source.shape)))
+        return func(*args, **kwargs)

@@ -17,7 +17,7 @@ from cloudseg.geo import ImageScene, write_rgb_geotiff
 from cloudseg.predict import BLACK_LEVEL, Ensemble, load_ensemble, load_model, predict_probs
 from cloudseg.segment import blended_rows, tiling, window_starts
 from tests.conftest import write_tiny_checkpoint
-from tests.host_syncs import HostSyncs
+from tests.host_syncs import HostSyncs, StagedCopies
 
 rasterio = pytest.importorskip("rasterio")  # make test installs the geo extra; a bare install skips these
 xarray = pytest.importorskip("xarray")
@@ -146,35 +146,59 @@ def test_blended_windows_match_the_whole_scene_prediction(tiny_ensemble):
     assert np.abs(blended - whole).mean() <= 0.5 * np.abs(pasted - whole).mean()
 
 
-def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble, monkeypatch):
+@pytest.mark.parametrize("read_rows", [256, 10])
+def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble, monkeypatch, read_rows):
     """The ensemble on a (fake) GPU: blended_rows on fake CUDA tensors, under HostSyncs, in one
     thread (the read-ahead thread would leave the fake mode; pinning has no fake and is the identity
-    here). Would catch: a blend or validity computed on the host while the model is on the GPU (the
-    rows would come back on the CPU, or copies to the host show), and any read or blocking copy per
-    window (an `.item()`, `.cpu()`, a window's weights sent from pageable memory)."""
+    here), the scene read in one strip, or in strips of 10 rows (some then wrap around ReadRows'
+    ring). Would catch: a blend or validity computed on the host while the model is on the GPU (the
+    rows would come back on the CPU, or copies to the host show), any read or blocking copy per
+    window (an `.item()`, `.cpu()`, a window's weights sent from pageable memory), and a strip sent
+    to the GPU in pieces of its pinned memory (StagedCopies: each piece copied to unpinned memory
+    first)."""
     _, ensemble = tiny_ensemble
+    monkeypatch.setattr(segment_module, "READ_ROWS", read_rows)
     monkeypatch.setattr(segment_module, "prefetched",  # a generator, as the real one: blended_rows closes it
                         lambda function, items, ahead: (function(item) for item in items))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     gpu = stand_in(pixelwise, ensemble.config, batch_size=3)._replace(device=torch.device("cuda", 0))
-    with FakeTensorMode(allow_non_fake_inputs=True), HostSyncs() as syncs:
+    wraps, pieces = [], segment_module.ReadRows.pieces
+    monkeypatch.setattr(segment_module.ReadRows, "pieces",
+                        lambda ring, *rows: wraps.append(len(pieces(ring, *rows)) > 1) or pieces(ring, *rows))
+    with FakeTensorMode(allow_non_fake_inputs=True), HostSyncs() as syncs, StagedCopies() as staged:
         rows = list(blended_rows(ImageArray(smooth_scene(101, 157)), gpu, (32, 48), 0.25))
     assert sum(probs.shape[1] for _, probs, _ in rows) == 101 and len(rows) > 1  # one band per row of windows
     assert {(probs.device.type, valid.device.type) for _, probs, valid in rows} == {("cuda", "cuda")}
-    assert syncs.found == []
+    assert syncs.found == [] and staged.found == []
+    assert any(wraps) == (read_rows == 10)
+
+
+def test_the_test_can_fail_staged_copies_sees_a_piece_of_a_strip_sent_to_the_gpu():
+    """The control of StagedCopies, on fake CUDA tensors: rows of a 3-band strip (no contiguous
+    block: each band's rows lie apart) sent by `.to` and by `copy_` are found; the whole strip, its
+    first band's rows, and a copy into a GPU tensor's piece (torch makes the GPU's temporary, not the
+    host's) are not."""
+    with FakeTensorMode(), StagedCopies() as staged:
+        strip, ring = torch.zeros(3, 10, 8, dtype=torch.uint8), torch.zeros(3, 30, 8, dtype=torch.uint8, device="cuda")
+        strip[:, 2:5].to("cuda", non_blocking=True)
+        ring[:, :3].copy_(strip[:, 7:], non_blocking=True)
+        strip.to("cuda", non_blocking=True)
+        strip[0, 2:5].to("cuda", non_blocking=True)
+        ring[:, 4:14].copy_(strip, non_blocking=True)
+    assert staged.found == [("aten._to_copy.default", (3, 3, 8)), ("aten.copy_.default", (3, 3, 8))]
 
 
 def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, monkeypatch):
     """A scene ten rows of windows tall, read in strips of a window's height: the blender's strip
     holds one window's height of the scene's width, the first rows leave before the third row
     of windows is read, and the strips read are dropped as the windows go down. Would catch: the
-    scene blended whole (a strip of the scene's height), rows held back to the end, or strips
-    kept (the scene held whole on the device by the end)."""
+    scene blended whole (a strip of the scene's height), rows held back to the end, or the rows
+    read kept (the scene held whole on the device by the end: a ring of the scene's height)."""
     _, ensemble = tiny_ensemble
     monkeypatch.setattr(segment_module, "READ_ROWS", 32)
     held, real_hold = [], segment_module.ReadRows.hold
     monkeypatch.setattr(segment_module.ReadRows, "hold",
-                        lambda rows, *span: real_hold(rows, *span) or held.append(len(rows.held)))
+                        lambda rows, *span: real_hold(rows, *span) or held.append(rows.pixels.shape[1]))
     reads, strips = [], []
     scene = ImageArray(smooth_scene(320, 96))
     real_read, real_strip = scene.read, segment_module.StripBlender
@@ -185,7 +209,7 @@ def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, mon
     _, first, _ = next(rows)
     assert strips == [(32, 96)] and max(reads) < 3 * 32
     assert first.shape[1] + sum(probs.shape[1] for _, probs, _ in rows) == 320 and max(reads) == 320 - 32
-    assert len(held) == 10 and max(held) == 1  # a batch a row of windows, a strip each: the ones above dropped
+    assert held == [64] * 10  # a batch a row of windows, a strip each: a window's rows and a strip's ahead
 
 
 @pytest.mark.parametrize("release_rows", [None, 8])
