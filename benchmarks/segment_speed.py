@@ -40,6 +40,13 @@ of ZSTD now compressed in threads of ours as rows come, laid out by tifffile), i
 with row c again, each at least twice. (Row h, the writer's wait before commit 0b745e4, answered
 on the H100 of 2026-11-27, evening: no difference; its code is gone.)
 
+Row j (--processes N, default 1: none): row c as the command, `cloudseg segment` under torchrun,
+in one process and then in N sharing the device (a GPU: distributed.start's share_gpus), in turn,
+--repeat times each (the fastest shown): the rate of process 0's summary line (every process's
+scenes over its time from its first scene to the last process's end, loading apart), the CPU
+seconds of the processes whole (imports and loading in), process 0's stage line. Whether Pythons
+of their own keep more cores busy than one process's threads, where the pipeline bounds it.
+
 Row g: row c again with N files written at once (--files-at-once N, default 2; 1: no row g):
 each scene's writes in a thread of their own (segment.FILES_AT_ONCE), the next scene mapped while
 the last one is written; its speed-up is against row a. --codecs: row c again in each codec named
@@ -69,7 +76,8 @@ timed beside them until the H200 of 2026-11-27 showed the search bought predicti
 commands that predict now never search, hardware.speed_switches.)
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
-       --batch B --config FILE --device D --files-at-once N --codecs C [C ...] --outputs O [O ...] --rows LETTERS --log
+       --batch B --config FILE --device D --files-at-once N --processes N --codecs C [C ...] --outputs O [O ...]
+       --rows LETTERS --log
        --no-writes --no-fixed-cost]
 """
 
@@ -187,6 +195,14 @@ def main() -> None:
                     + ("" if codec == geo.DEFAULT_CODEC else f", {codec}"))
             with unittest.mock.patch.object(segment_module, "FILES_AT_ONCE", args.files_at_once):
                 segment_row(name, f"g-{codec}", compress=codec)
+        if args.processes > 1:  # row c as a command: one process, then N sharing the device, in turn
+            for turn in range(args.repeat):
+                for count in (1, args.processes):
+                    name = (f"j. cloudseg segment command, overlap 0.25 (batch {args.batch}), {count} "
+                            + ("process" if count == 1 else "processes"))
+                    result = processes_run(scenes, checkpoint, folder / f"j{count}-{turn}", args, device, count)
+                    if result and (name not in rows or result[0] < rows[name][0]):
+                        rows[name] = result
         written = sorted((folder / "c" / "run0").glob("*.tif"))  # row c's maps: the model's, blended
         if args.writes and not written:
             print("  writes alone: left out, row c was not timed (--rows)", flush=True)
@@ -264,6 +280,9 @@ def parse_args():
                              "e.g. classbits, an eighth of the bytes")
     parser.add_argument("--files-at-once", type=int, default=2, metavar="N",
                         help="then row c again with segment.FILES_AT_ONCE = N (1: not)")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="then row j: row c as a command under torchrun, one process and N (sharing a GPU), "
+                             "in turn (1: no row j)")
     parser.add_argument("--writes", action=argparse.BooleanOptionalAction, default=True,
                         help="also time row c's maps written again alone, one file at a time and all at once")
     parser.add_argument("--fixed-cost", action=argparse.BooleanOptionalAction, default=True,
@@ -466,6 +485,32 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
     compiling = [*call[:4], "predict.compile=true", *call[4:]]  # overrides come right after the scenes
     return first, second, imports, *(seconds(*compiling, "--out", str(folder / f"compiled{index}"), env=cache,
                                              name="-m cloudseg segment (compiling)") for index in range(2))
+
+
+def processes_run(scenes: list[Path], checkpoint: Path, out: Path, args, device: torch.device,
+                  count: int) -> tuple[float, float, str] | None:
+    """Row j: `cloudseg segment` on the scenes under torchrun in `count` processes on `device` (on
+    a GPU, all sharing it where it is one: distributed.start's share_gpus), as row c maps them.
+    Returns (seconds, CPU seconds, process 0's stage line): the seconds are the scenes' pixels over
+    the rate of process 0's summary line (every process's scenes over process 0's time from its
+    first scene to the last process's end: loading apart, as rows b-g); the CPU seconds are the
+    processes' whole (imports and loading in). None, its stderr's end printed, if it fails."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
+               "-m", "cloudseg", "segment", *map(str, scenes), f"predict.batch_size={args.batch}",
+               f"predict.compile={str(device.type == 'cuda').lower()}", "--checkpoint", str(checkpoint),
+               "--out", str(out), "--tile", *map(str, args.tile), "--overlap", "0.25", "--postprocess", "none",
+               "--device", device.type]
+    before = os.times()
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(
+        max(1, torch.get_num_threads() // count))})
+    after = os.times()
+    rate = re.search(r"([\d.]+) megapixels/s ->", done.stderr)
+    stages = re.search(r"segment: (stages: .*) \(process 0", done.stderr)
+    if done.returncode or not rate:
+        print(f"  failed, row j with {count} process(es) (exit {done.returncode}): {done.stderr[-600:]}", flush=True)
+        return None
+    cpu = after.children_user + after.children_system - before.children_user - before.children_system
+    return args.scenes * args.height * args.width / 1e6 / float(rate[1]), cpu, stages and stages[1]
 
 
 def call_split(seconds: float, imports: float, log: str) -> str:

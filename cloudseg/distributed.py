@@ -31,15 +31,20 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def start(device: torch.device) -> torch.device:
-    """Join the process group (NCCL on CUDA, gloo on CPU); returns this rank's device."""
+def start(device: torch.device, share_gpus: bool = False) -> torch.device:
+    """Join the process group; returns this rank's device. Training: one process per GPU (the
+    LOCAL_RANK-th), NCCL on CUDA, gloo on the CPU. With `share_gpus` (segment, whose only
+    collectives are a few Python objects at the end) a machine's processes take its GPUs in turn,
+    several to a GPU where there are more processes than GPUs, and gather through gloo: NCCL
+    refuses two processes on one GPU."""
     if world_size() == 1:
         return device
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count() if share_gpus else local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" and not share_gpus else "gloo")
     return device
 
 

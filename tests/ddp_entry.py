@@ -3,8 +3,8 @@ process and several sum the same gradients to within 1e-15 whatever their order.
 `--plant-first-sync` first, a planted bug for the control test: DDP's all-reduce runs on every
 micro-batch of a window but the last, instead of on the last alone. With `--compile-backend NAME`
 first, train.compile uses that torch.compile backend (aot_eager in tests: no code generation).
-With `--record-scenes FILE` first, `cloudseg segment` appends "RANK SCENE" to FILE for each scene
-it maps (the test of sharding reads who did what). With `--memory-probe` first, `cloudseg segment`
+With `--record-scenes FILE` first, `cloudseg segment` appends "RANK SCENE DEVICE" to FILE for each
+scene it maps (the tests of sharding read who did what, and where). With `--memory-probe` first, `cloudseg segment`
 runs a per-pixel stand-in for the checkpoint's model (a scene of 160 megapixels in seconds) and
 prints the process's peak resident memory before and after each scene, "peak_rss_mib SCENE MIB MIB"."""
 
@@ -17,7 +17,6 @@ import torch
 from cloudseg import compiled, distributed, segment
 from cloudseg.cli import main
 
-torch.set_default_dtype(torch.float64)
 arguments = sys.argv[1:]
 if arguments[:1] == ["--compile-backend"]:
     compiled.BACKEND, arguments = arguments[1], arguments[2:]
@@ -31,7 +30,7 @@ if arguments[:1] == ["--record-scenes"]:
 
     def recorded(path, *args):
         with open(record, "a") as log:  # appends of a short line from several processes do not interleave
-            log.write(f"{os.environ['RANK']} {path.name}\n")
+            log.write(f"{os.environ['RANK']} {path.name} {args[1].device}\n")  # args: out_dir, ensemble, ...
         return real_segment_scene(path, *args)
     segment.segment_scene = recorded
 if arguments[:1] == ["--memory-probe"]:
@@ -56,4 +55,6 @@ if arguments[:1] == ["--memory-probe"]:
 
     segment.load_ensemble = lambda *a, **k: real_load_ensemble(*a, **k)._replace(forwards=[per_pixel])
     segment.segment_scene = probed
+if arguments[:1] == ["train"]:
+    torch.set_default_dtype(torch.float64)
 sys.exit(main(arguments))

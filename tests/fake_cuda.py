@@ -122,10 +122,11 @@ def cudnn_refuses_old_gpus():
 
 @dataclass
 class FakeCuda:
-    """The cards torch.cuda reports (GPU 0 current) and a log of the calls that change state."""
+    """The cards torch.cuda reports (GPU 0 current until set_device) and a log of the calls that change state."""
 
     cards: list[Card]
     calls: list[tuple] = field(default_factory=list)
+    current: int = 0  # torch.cuda.current_device()
     sync_debug_mode: int = 0
     current_streams: dict[int, FakeStream] = field(default_factory=dict)
 
@@ -136,6 +137,11 @@ class FakeCuda:
         if not 0 <= index < len(self.cards):
             raise error(f"Invalid device id {index}")
         return index
+
+    def set_device(self, device) -> None:
+        index = _get_device_index(device)  # as torch's: no index, or the CPU, a ValueError; below 0, nothing
+        if index >= 0:
+            self.current = self.index(index, False, RuntimeError)  # past the cards: the CUDA runtime's error
 
     def position(self, card: Card) -> int:
         """The index of `card` itself (cards of one model compare equal)."""
@@ -270,7 +276,8 @@ class FakeCuda:
         from torch._subclasses import fake_tensor
         monkeypatch.setattr(fake_tensor, "init_gpu_context", lambda device: None)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(cards))
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
         monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
         monkeypatch.setattr(torch.cuda, "get_device_properties", self.properties)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: self.card(device).capability)

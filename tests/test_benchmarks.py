@@ -182,6 +182,19 @@ def test_segment_benchmark_prints_its_table():
     assert all(float(row[4]) <= min(float(row[2]), float(row[3])) + 0.01 for row in writes), writes
 
 
+def test_segment_benchmark_times_the_command_in_one_process_and_in_several(tmp_path):
+    """Row j (--processes 2): `cloudseg segment` under torchrun, one process then two, on the CPU.
+    Would catch: a row missing or the two counts swapped, a run that failed (left out silently, or
+    a torchrun that maps nothing where the processes share a device), or a stage line missing."""
+    out = run(*SEGMENT_SPEED, "--scenes", "2", "--rows", "c", "--processes", "2", "--no-writes", "--no-fixed-cost",
+              "--files-at-once", "1")
+    assert "failed" not in out
+    rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| j. cloudseg segment command")]
+    assert rows == [f"| j. cloudseg segment command, overlap 0.25 (batch 4), {n}" for n in ("1 process", "2 processes")]
+    stages = [line for line in out.splitlines() if line.startswith("| j. ") and " — bound by: " in line]
+    assert [line.split(" | ")[0] for line in stages] == ["| j. 1 process", "| j. 2 processes"]
+
+
 def test_two_versions_are_timed_in_turn_each_with_its_own_code(tmp_path):
     """benchmarks/in_turn.sh with a copy of this tree as BASE, marked so that its cloudseg says it
     was imported, twice each, on the CPU, called from another folder with a PYTHONPATH of its own;

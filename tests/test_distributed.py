@@ -185,3 +185,46 @@ def test_a_failing_process_ends_the_launch_in_one_line_without_torchrun_s_traceb
     assert result.stderr.count("cloudseg: error: the reason") in (1, 2)
     assert result.stderr.strip().splitlines()[-1].startswith("torchrun: 2 process(es) failed, first rank ")
     assert result.stderr.strip().endswith("with exit code 3: its error is above")
+
+
+@pytest.mark.parametrize("cards, local_rank, share, expected", [
+    (1, 1, True, ("cuda:0", "gloo")),  # segment: two processes on one GPU
+    (2, 1, True, ("cuda:1", "gloo")),
+    (2, 2, True, ("cuda:0", "gloo")),  # the third of three on two GPUs: they take the GPUs in turn
+    (2, 1, False, ("cuda:1", "nccl")),  # training: one process per GPU
+    (1, 1, False, RuntimeError),  # training: a second process on one GPU fails, as torch fails it
+])
+def test_processes_take_the_gpus_in_turn_where_they_share_them(fake_cuda, monkeypatch, cards, local_rank, share,
+                                                                expected):
+    """CPU, a fake machine of one or two H100s, the process group not started (its backend
+    recorded). Would catch: segment's second process on a one-GPU machine given GPU 1 (torch
+    refuses it), NCCL for processes sharing a GPU (it refuses two on one), the GPU not made
+    current, and training's one process per GPU changed."""
+    from tests.fake_cuda import H100
+
+    fake_cuda(*[H100] * cards)
+    backends = []
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: backends.append(backend))
+    if expected is RuntimeError:
+        with pytest.raises(RuntimeError):
+            distributed.start(torch.device("cuda", 0), share_gpus=share)
+        return
+    device = distributed.start(torch.device("cuda", 0), share_gpus=share)
+    assert (str(device), backends[0]) == expected and torch.cuda.current_device() == device.index
+
+
+def test_segment_s_processes_share_the_gpus(fake_cuda, monkeypatch):
+    """CPU, a fake one-GPU machine, segment's process 1 of 2. Would catch: segment joining as
+    training does (one process per GPU: GPU 1, which is not there)."""
+    from cloudseg.segment import process_device
+    from tests.fake_cuda import H100
+
+    fake_cuda(H100)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: None)
+    assert process_device("cuda") == torch.device("cuda", 0)

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -98,6 +99,7 @@ DEVICE_CALLS = {
     "Stream": lambda d: torch.cuda.Stream(d),
     "get_rng_state": lambda d: torch.cuda.get_rng_state(d),
     "set_rng_state": lambda d: torch.cuda.set_rng_state(torch.cuda.get_rng_state(0), d),
+    "set_device": lambda d: torch.cuda.set_device(d),  # GPU 0 current again after each accepted form
 }
 # The functions it fakes without a device argument (their values are compared below); that the two
 # sets are all it fakes is checked on the CPU (tests/test_cuda_paths.py).
@@ -782,6 +784,23 @@ def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
         assert abs(cpu_record[label] - gpu_record[label]) <= near.sum() / cpu_record["valid_pixels"], label
 
 
+def test_segment_processes_more_than_gpus_share_them_and_map_each_scene_once(tmp_path):
+    """Two `cloudseg segment` processes under torchrun on this machine's GPUs (two on one GPU where
+    there is one), over 5 PNG scenes: each scene mapped once, by both processes, each on GPU
+    rank % GPUs, and one summary of all. Would catch: the second process sent to a GPU that is not
+    there (training's one process per GPU), NCCL for processes on one GPU (it refuses them), a
+    scene mapped twice or never. Assumes: nothing."""
+    from tests.conftest import write_tiny_checkpoint
+    from tests.test_segment import segment_processes, write_pngs
+
+    scenes, checkpoint = write_pngs(tmp_path / "in", 5), write_tiny_checkpoint(tmp_path / "ck" / "best.pt")
+    done, stderr = segment_processes(2, scenes, checkpoint, tmp_path / "out", "cuda")
+    assert sorted(name for _, name, _ in done) == [f"scene{i:02d}.png" for i in range(5)]
+    count = torch.cuda.device_count()
+    assert {(rank, device) for rank, _, device in done} == {(str(r), f"cuda:{r % count}") for r in range(2)}
+    assert "segment: 5 scenes, 0 done before, 0 failed, 2 processes;" in stderr
+
+
 def test_segment_rows_reach_the_host_without_waiting_for_the_work_queued_after_them():
     """geo.to_host_soon's copies (2 × 128 MB), then about a second of GPU sleep queued behind them
     (the model's next batches in `cloudseg segment`), then the wait for the copies: it returns
@@ -806,8 +825,9 @@ def test_segment_rows_reach_the_host_without_waiting_for_the_work_queued_after_t
 
 def test_a_segment_window_on_the_gpu_makes_no_host_sync_but_the_named_one(tmp_path, monkeypatch):
     """blended_rows and geo.output_bands on the GPU under torch.cuda.set_sync_debug_mode("error"),
-    each batch behind queued work (`lagging`), its windows cut from strips of 24 rows (or the
-    file's blocks: several a window, dropped as the rows go down), after one warm-up scene: any sync that
+    each batch behind queued work (`lagging`), its rows read in strips of 24 (or the file's blocks:
+    several a window) into segment.ReadRows' ring, the windows cut from it, some where it wraps,
+    after one warm-up scene: any sync that
     syncs.named_sync does not name raises; the named one, "segment rows", comes once per row of
     windows. Would catch: a window's probabilities or
     weights read on the host, a blocking copy per batch (pixels from pageable memory), a count read

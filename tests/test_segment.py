@@ -656,33 +656,39 @@ def write_pngs(folder, count, shape=(64, 96)):
     return folder
 
 
+def segment_processes(count: int, scenes: Path, checkpoint: Path, out: Path, device: str) -> tuple[list, str]:
+    """`cloudseg segment` in `count` processes under torchrun: (rank, scene, device) of each scene
+    mapped (tests/ddp_entry.py's record), and the processes' stderr."""
+    import os
+    import subprocess
+    import sys
+
+    record = out.with_name(f"{out.name}-record.txt")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
+               str(Path(__file__).with_name("ddp_entry.py")), "--record-scenes", str(record),
+               "segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(out), "--device", device]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line.split() for line in record.read_text().splitlines()], result.stderr
+
+
 def test_two_processes_map_every_scene_once_and_skip_the_done_ones(tiny_ensemble, tmp_path):
     """CPU, two gloo processes under torchrun over 9 scenes, 2 of them done by an earlier run.
     Would catch: both processes taking the same scenes (a scene mapped twice) or a shard lost
     (one never mapped), done scenes mapped again, a summary written before every process is
     through (fractions.csv short of scenes), a summary line counting process 0's scenes alone."""
-    import os
-    import subprocess
-    import sys
-
     checkpoint, _ = tiny_ensemble
     scenes = write_pngs(tmp_path / "in", 9)
     out = tmp_path / "out"
     assert main(["segment", str(scenes / "scene03.png"), str(scenes / "scene07.png"), "--checkpoint", str(checkpoint),
                  "--out", str(out), "--device", "cpu"]) == 0
-    record = tmp_path / "record.txt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(Path(__file__).with_name("ddp_entry.py")), "--record-scenes", str(record),
-               "segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(out), "--device", "cpu"]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    done = [line.split() for line in record.read_text().splitlines()]
-    names = sorted(name for _, name in done)
+    done, stderr = segment_processes(2, scenes, checkpoint, out, "cpu")
+    names = sorted(name for _, name, _ in done)
     assert names == [f"scene{i:02d}.png" for i in range(9) if i not in (3, 7)]  # each once, the done ones never
-    assert {rank for rank, _ in done} == {"0", "1"}
+    assert {(rank, device) for rank, _, device in done} == {("0", "cpu"), ("1", "cpu")}
     table = (out / "fractions.csv").read_text().splitlines()
     assert len(table) == 1 + 9 and all((out / f"scene{i:02d}_masks.png").is_file() for i in range(9))
-    assert "segment: 9 scenes, 2 done before, 0 failed, 2 processes;" in result.stderr  # both done by process 1
+    assert "segment: 9 scenes, 2 done before, 0 failed, 2 processes;" in stderr  # both done by process 1
 
 
 def test_fractions_csv_is_written_as_pandas_writes_the_table(tmp_path):
