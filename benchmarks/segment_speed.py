@@ -41,11 +41,13 @@ with row c again, each at least twice. (Row h, the writer's wait before commit 0
 on the H100 of 2026-11-27, evening: no difference; its code is gone.)
 
 Row j (--processes N, default 1: none): row c as the command, `cloudseg segment` under torchrun,
-in one process and then in N sharing the device (a GPU: distributed.start's share_gpus), in turn,
---repeat times each (the fastest shown): the rate of process 0's summary line (every process's
-scenes over its time from its first scene to the last process's end, loading apart), the CPU
-seconds of the processes whole (imports and loading in), process 0's stage line. Whether Pythons
-of their own keep more cores busy than one process's threads, where the pipeline bounds it.
+eager and without a warm-up scene, in one process and then in N sharing the device (a GPU:
+distributed.start's share_gpus), in turn, --repeat times each (the fastest shown): the rate of
+process 0's summary line (every process's scenes over its time from its first scene to the last
+process's end, loading apart), the CPU seconds of the processes whole (imports and loading in),
+process 0's stage line. Whether Pythons of their own keep more cores busy than one process's
+threads, where the pipeline bounds it: the two j rows compare with each other, not with row c.
+Give each process a few scenes (--scenes 4 for N = 2).
 
 Row g: row c again with N files written at once (--files-at-once N, default 2; 1: no row g):
 each scene's writes in a thread of their own (segment.FILES_AT_ONCE), the next scene mapped while
@@ -490,14 +492,18 @@ def fixed_cost(scene: Path, checkpoint: Path, folder: Path, args) -> tuple[float
 def processes_run(scenes: list[Path], checkpoint: Path, out: Path, args, device: torch.device,
                   count: int) -> tuple[float, float, str] | None:
     """Row j: `cloudseg segment` on the scenes under torchrun in `count` processes on `device` (on
-    a GPU, all sharing it where it is one: distributed.start's share_gpus), as row c maps them.
-    Returns (seconds, CPU seconds, process 0's stage line): the seconds are the scenes' pixels over
-    the rate of process 0's summary line (every process's scenes over process 0's time from its
-    first scene to the last process's end: loading apart, as rows b-g); the CPU seconds are the
-    processes' whole (imports and loading in). None, its stderr's end printed, if it fails."""
+    a GPU, all sharing it where it is one: distributed.start's share_gpus), as row c maps them but
+    eager (N processes compiling at once would time the compiles) and cold (no warm-up scene: each
+    process's first batches are in). Returns (seconds, CPU seconds, process 0's stage line): the
+    seconds are the scenes' pixels over the rate of process 0's summary line (every process's scenes
+    over process 0's time from its first scene to the last process's end, loading apart); the CPU
+    seconds are the processes' whole (imports and loading in). The two j rows compare with each
+    other, not with row c. Each process sizes its reader and compressing threads by the machine's
+    cores, as a user's would: N processes start N times as many. None, its stderr's end printed,
+    if it fails."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
                "-m", "cloudseg", "segment", *map(str, scenes), f"predict.batch_size={args.batch}",
-               f"predict.compile={str(device.type == 'cuda').lower()}", "--checkpoint", str(checkpoint),
+               "predict.compile=false", "--checkpoint", str(checkpoint),
                "--out", str(out), "--tile", *map(str, args.tile), "--overlap", "0.25", "--postprocess", "none",
                "--device", device.type]
     before = os.times()
@@ -506,7 +512,7 @@ def processes_run(scenes: list[Path], checkpoint: Path, out: Path, args, device:
     after = os.times()
     rate = re.search(r"([\d.]+) megapixels/s ->", done.stderr)
     stages = re.search(r"segment: (stages: .*) \(process 0", done.stderr)
-    if done.returncode or not rate:
+    if done.returncode or not rate or not float(rate[1]) > 0:
         print(f"  failed, row j with {count} process(es) (exit {done.returncode}): {done.stderr[-600:]}", flush=True)
         return None
     cpu = after.children_user + after.children_system - before.children_user - before.children_system

@@ -254,8 +254,9 @@ class ReadRows:
             if strip is None:  # read_strips covers every row: only a window off the scene gets here
                 raise RuntimeError(f"rows to {end} held, but the scene's strips end at row {self.end}")
             first, pixels, masks = strip
-            if first + pixels.shape[1] - top > self.capacity:
-                raise RuntimeError(f"rows {top} to {first + pixels.shape[1]} held in a ring of {self.capacity}")
+            if first != self.end or first + pixels.shape[1] - top > self.capacity:
+                raise RuntimeError(f"rows {top} to {first + pixels.shape[1]} held in a ring of {self.capacity}, "
+                                   f"from a strip at row {first} after row {self.end}")
             with self.clock("to device"):
                 # whole to the device first: a piece of a pinned strip is no contiguous block, which torch
                 # would copy to unpinned memory before it crossed, and wait for
@@ -272,6 +273,9 @@ class ReadRows:
         """Copy the window at (top, left), of `images`' 3×h×w size, into `images` and `valid` (h×w),
         from the rows held (`hold` them first)."""
         height, width = images.shape[-2:]
+        if top < self.end - self.capacity or top + height > self.end:
+            raise RuntimeError(f"a window of rows {top} to {top + height}, where the ring holds rows "
+                               f"{max(0, self.end - self.capacity)} to {self.end}")
         for ring, rows in self.pieces(top, top + height):
             images[:, rows] = self.pixels[:, ring, left:left + width]
             valid[rows] = self.valid[ring, left:left + width]
@@ -768,7 +772,7 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
     if distributed.is_main():
         write_summaries(scenes, out_dir, options)
         seconds = time.perf_counter() - start
-        log.info("segment: %d scenes, %d done before, %d failed, %d processes; %.2f scenes/s, %.1f megapixels/s "
+        log.info("segment: %d scenes, %d done before, %d failed, %d processes; %.3g scenes/s, %.2f megapixels/s "
                  "-> %s", len(scenes), done_before, len(failed), distributed.world_size(),
                  (mapped - len(failed)) / seconds, pixels / 1e6 / seconds, out_dir)
         log.info("segment: %s (process 0, %.1f s)", clock.line(gpu=ensemble.device.type == "cuda"), seconds)

@@ -142,6 +142,7 @@ class FakeCuda:
         index = _get_device_index(device)  # as torch's: no index, or the CPU, a ValueError; below 0, nothing
         if index >= 0:
             self.current = self.index(index, False, RuntimeError)  # past the cards: the CUDA runtime's error
+            self.calls.append(("set_device", index))
 
     def position(self, card: Card) -> int:
         """The index of `card` itself (cards of one model compare equal)."""

@@ -57,12 +57,25 @@ class HostSyncs(TorchDispatchMode):
         return None
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s elements fill one block of memory without gaps or overlaps, in any order
+    of its dimensions (contiguous, channels last, permuted)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class StagedCopies(TorchDispatchMode):
-    """Records each copy from the host to a GPU whose host source is no contiguous block (after
-    broadcasting to the target): torch copies such a source into new, unpinned host memory first
-    (Copy.cu's temporaries), and a copy from unpinned memory may hold the host until it is through,
-    `non_blocking` or not. The sync debug mode does not see it (no sync is called), so HostSyncs
-    does not either."""
+    """Records each copy from the host to a GPU that torch stages through new, unpinned host memory:
+    where the copy is not one block to one block of the same layout, Copy.cu makes the host source
+    contiguous first (its temporaries), unless it is so already; and a copy from unpinned memory may
+    hold the host until it is through, `non_blocking` or not. `.to` keeps a dense source's layout
+    (its strides), so only a source with gaps is staged there; `copy_` stages a non-contiguous
+    source unless both sides are dense with the same strides. The sync debug mode does not see it
+    (no sync is called), so HostSyncs does not either. (Advanced indexing, index_put_, not covered.)"""
 
     def __init__(self):
         super().__init__()
@@ -72,11 +85,14 @@ class StagedCopies(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._to_copy.default and args[0].device.type == "cpu" and \
                 torch.device(kwargs.get("device") or "cpu").type == "cuda":
-            source = args[0]
+            staged = not is_dense(args[0])
         elif func is aten.copy_.default and args[1].device.type == "cpu" and args[0].device.type == "cuda":
-            source = args[1].expand_as(args[0])
+            target, source = args[0], args[1].expand_as(args[0])
+            staged = not source.is_contiguous() and not (
+                is_dense(source) and is_dense(target)
+                and source.stride() == target.stride())
         else:
-            source = None
-        if source is not None and not source.is_contiguous():
-            self.found.append((str(func), tuple(source.shape)))
+            staged = False
+        if staged:
+            self.found.append((str(func), tuple(args[0 if func is aten._to_copy.default else 1].shape)))
         return func(*args, **kwargs)

@@ -99,8 +99,16 @@ DEVICE_CALLS = {
     "Stream": lambda d: torch.cuda.Stream(d),
     "get_rng_state": lambda d: torch.cuda.get_rng_state(d),
     "set_rng_state": lambda d: torch.cuda.set_rng_state(torch.cuda.get_rng_state(0), d),
-    "set_device": lambda d: torch.cuda.set_device(d),  # GPU 0 current again after each accepted form
+    "set_device": lambda d: set_device_and_back(d),
 }
+
+
+def set_device_and_back(device) -> None:
+    """torch.cuda.set_device(device), then the GPU current before it current again (where it raised,
+    nothing changed)."""
+    current = torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    torch.cuda.set_device(current)
 # The functions it fakes without a device argument (their values are compared below); that the two
 # sets are all it fakes is checked on the CPU (tests/test_cuda_paths.py).
 WITHOUT_DEVICE = {"is_available", "device_count", "current_device", "get_arch_list", "is_bf16_supported", "empty_cache",
@@ -785,19 +793,18 @@ def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):
 
 
 def test_segment_processes_more_than_gpus_share_them_and_map_each_scene_once(tmp_path):
-    """Two `cloudseg segment` processes under torchrun on this machine's GPUs (two on one GPU where
-    there is one), over 5 PNG scenes: each scene mapped once, by both processes, each on GPU
-    rank % GPUs, and one summary of all. Would catch: the second process sent to a GPU that is not
+    """Two `cloudseg segment` processes under torchrun on one of this machine's GPUs
+    (CUDA_VISIBLE_DEVICES=0), over 5 PNG scenes: each scene mapped once, by both processes, both
+    on that GPU, and one summary of all. Would catch: the second process sent to a GPU that is not
     there (training's one process per GPU), NCCL for processes on one GPU (it refuses them), a
     scene mapped twice or never. Assumes: nothing."""
     from tests.conftest import write_tiny_checkpoint
     from tests.test_segment import segment_processes, write_pngs
 
     scenes, checkpoint = write_pngs(tmp_path / "in", 5), write_tiny_checkpoint(tmp_path / "ck" / "best.pt")
-    done, stderr = segment_processes(2, scenes, checkpoint, tmp_path / "out", "cuda")
+    done, stderr = segment_processes(2, scenes, checkpoint, tmp_path / "out", "cuda", CUDA_VISIBLE_DEVICES="0")
     assert sorted(name for _, name, _ in done) == [f"scene{i:02d}.png" for i in range(5)]
-    count = torch.cuda.device_count()
-    assert {(rank, device) for rank, _, device in done} == {(str(r), f"cuda:{r % count}") for r in range(2)}
+    assert {(rank, device) for rank, _, device in done} == {("0", "cuda:0"), ("1", "cuda:0")}
     assert "segment: 5 scenes, 0 done before, 0 failed, 2 processes;" in stderr
 
 

@@ -16,6 +16,7 @@ from cloudseg.cli import main
 from cloudseg.geo import ImageScene, write_rgb_geotiff
 from cloudseg.predict import BLACK_LEVEL, Ensemble, load_ensemble, load_model, predict_probs
 from cloudseg.segment import blended_rows, tiling, window_starts
+from cloudseg.stages import StageClock
 from tests.conftest import write_tiny_checkpoint
 from tests.host_syncs import HostSyncs, StagedCopies
 
@@ -176,8 +177,9 @@ def test_the_blend_runs_where_the_model_runs_and_waits_for_nothing(tiny_ensemble
 def test_the_test_can_fail_staged_copies_sees_a_piece_of_a_strip_sent_to_the_gpu():
     """The control of StagedCopies, on fake CUDA tensors: rows of a 3-band strip (no contiguous
     block: each band's rows lie apart) sent by `.to` and by `copy_` are found; the whole strip, its
-    first band's rows, and a copy into a GPU tensor's piece (torch makes the GPU's temporary, not the
-    host's) are not."""
+    first band's rows, a copy into a GPU tensor's piece (torch makes the GPU's temporary, not the
+    host's), and a dense strip in another layout (channels last: `.to` keeps its strides, and
+    `copy_` into a GPU tensor of the same strides is one block) are not."""
     with FakeTensorMode(), StagedCopies() as staged:
         strip, ring = torch.zeros(3, 10, 8, dtype=torch.uint8), torch.zeros(3, 30, 8, dtype=torch.uint8, device="cuda")
         strip[:, 2:5].to("cuda", non_blocking=True)
@@ -185,6 +187,9 @@ def test_the_test_can_fail_staged_copies_sees_a_piece_of_a_strip_sent_to_the_gpu
         strip.to("cuda", non_blocking=True)
         strip[0, 2:5].to("cuda", non_blocking=True)
         ring[:, 4:14].copy_(strip, non_blocking=True)
+        last = strip.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # 3x10x8, the bands interleaved
+        last.to("cuda", non_blocking=True)
+        torch.empty_like(last, device="cuda").copy_(last, non_blocking=True)
     assert staged.found == [("aten._to_copy.default", (3, 3, 8)), ("aten.copy_.default", (3, 3, 8))]
 
 
@@ -252,6 +257,8 @@ def test_a_geotiff_is_read_once_in_strips_and_its_windows_cut_from_them(tiny_ens
     image = smooth_scene(90, 130, seed=3)
     image[:25, :40] = 200  # the file's nodata value, not black
     image[60:70, 100:] = 0  # black: no data either
+    image[73:78, :50] = 0  # both again where strips and windows wrap around the ring (read_rows 7: 75 rows)
+    image[76:88, 60:90] = 200
     path = write_rgb_geotiff(tmp_path / "scene.tif", image, "EPSG:4326", from_origin(-60, 15, 0.1, 0.1), nodata=200,
                              **profile)
     reads, real_read = [], GeoTiffScene.read
@@ -270,6 +277,33 @@ def test_a_geotiff_is_read_once_in_strips_and_its_windows_cut_from_them(tiny_ens
     expected = torch.sigmoid(pixelwise(torch.from_numpy(pixels)[None]))[0]
     assert torch.equal(valid, torch.from_numpy(data & (pixels.max(0) > BLACK_LEVEL)))
     assert torch.allclose(probs[:, valid], expected[:, valid], atol=1e-5)
+
+
+def test_rows_outside_the_ring_are_refused_not_read_stale():
+    """CPU. A ring of 10 rows fed strips of 4: a window whose rows left the ring, one below the rows
+    read, a strip that would overwrite rows still held, and strips out of order each raise. Would
+    catch: a window read from ring rows another strip has overwritten (or never written: the ring
+    starts empty), and a ring too small for its strips going on silently."""
+    def strips(starts):
+        return iter([(start, torch.full((3, 4, 6), 100 + start, dtype=torch.uint8), None) for start in starts])
+
+    rows = segment_module.ReadRows(strips([0, 4, 8, 12]), 6, 10, torch.device("cpu"), StageClock())
+    rows.hold(0, 8)
+    images, valid = torch.empty(3, 4, 6, dtype=torch.uint8), torch.empty(4, 6, dtype=torch.bool)
+    rows.window(images, valid, 4, 0)
+    assert images.unique().tolist() == [104] and valid.all()
+    with pytest.raises(RuntimeError, match="ring holds rows 0 to 8"):
+        rows.window(images, valid, 6, 0)  # rows 8 and 9 not read yet
+    with pytest.raises(RuntimeError, match="held in a ring of 10"):
+        rows.hold(1, 12)  # the strip of rows 8-11 would overwrite rows 1 and 2, still held
+    rows = segment_module.ReadRows(strips([0, 8]), 6, 10, torch.device("cpu"), StageClock())
+    rows.hold(0, 4)
+    with pytest.raises(RuntimeError, match="strip at row 8 after row 4"):
+        rows.hold(4, 12)
+    rows = segment_module.ReadRows(strips([0, 4, 8]), 6, 10, torch.device("cpu"), StageClock())
+    rows.hold(4, 12)
+    with pytest.raises(RuntimeError, match="ring holds rows 2 to 12"):
+        rows.window(images, valid, 0, 0)  # rows 0 and 1 overwritten by rows 10 and 11
 
 
 def test_strips_are_rounded_up_to_the_file_s_blocks_unless_those_are_taller_than_four_strips(monkeypatch):
@@ -656,9 +690,10 @@ def write_pngs(folder, count, shape=(64, 96)):
     return folder
 
 
-def segment_processes(count: int, scenes: Path, checkpoint: Path, out: Path, device: str) -> tuple[list, str]:
-    """`cloudseg segment` in `count` processes under torchrun: (rank, scene, device) of each scene
-    mapped (tests/ddp_entry.py's record), and the processes' stderr."""
+def segment_processes(count: int, scenes: Path, checkpoint: Path, out: Path, device: str,
+                      **environment: str) -> tuple[list, str]:
+    """`cloudseg segment` in `count` processes under torchrun (with `environment` added to theirs):
+    (rank, scene, device) of each scene mapped (tests/ddp_entry.py's record), and their stderr."""
     import os
     import subprocess
     import sys
@@ -667,7 +702,8 @@ def segment_processes(count: int, scenes: Path, checkpoint: Path, out: Path, dev
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
                str(Path(__file__).with_name("ddp_entry.py")), "--record-scenes", str(record),
                "segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(out), "--device", device]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(command, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **environment})
     assert result.returncode == 0, result.stderr[-3000:]
     return [line.split() for line in record.read_text().splitlines()], result.stderr
 
