@@ -199,20 +199,16 @@ def prefetched(function, items: list, ahead: int = 1):
             yield result
 
 
-def read_batch(scene, boxes: list[tuple[int, int, int, int]], pin: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The windows `boxes` (top, left, height, width; one size) of `scene` as one N×3×h×w uint8
-    batch, and the file's N×h×w masks of valid pixels (None where the file marks none); in pinned
-    memory with `pin` (a GPU then copies them without a host sync). Each window is read straight
-    into the batch: no copy of the pixels between the file and the pinned memory."""
-    _, _, height, width = boxes[0]
+def read_rows(scene, top: int, bottom: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows [top, bottom) of `scene`, its whole width, as 3×n×W uint8 pixels and the file's n×W
+    mask of valid pixels (None where the file marks none); in pinned memory with `pin` (a GPU then
+    copies them without a host sync). The pixels are read straight into it: no copy of them between
+    the file and the pinned memory."""
     host = scene.device.type == "cpu"
-    images = torch.empty((len(boxes), 3, height, width), dtype=torch.uint8, device=scene.device,
+    pixels = torch.empty((3, bottom - top, scene.width), dtype=torch.uint8, device=scene.device,
                          pin_memory=pin and host)
-    masks = [scene.read(*box, out=image)[1] for box, image in zip(boxes, images)]
-    if masks[0] is None:
-        return images, None
-    masks = torch.stack(masks)
-    return images, masks.pin_memory() if pin and host else masks
+    _, mask = scene.read(top, 0, bottom - top, scene.width, out=pixels)
+    return pixels, mask.pin_memory() if mask is not None and pin and host else mask
 
 
 def read_strips(height: int, block_rows: int) -> list[tuple[int, int]]:
@@ -299,9 +295,7 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
 
     def read(strip):
         with clock("read"):
-            (pixels,), masks = read_batch(scene, [(strip[0], 0, strip[1] - strip[0], scene.width)],
-                                          pin=device.type == "cuda")
-        return strip[0], pixels, None if masks is None else masks[0]
+            return strip[0], *read_rows(scene, *strip, pin=device.type == "cuda")
 
     blender, current_row = StripBlender(grid.height, scene.width, scene.height, device), 0
     strips = read_strips(scene.height, scene.block_rows)

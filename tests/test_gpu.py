@@ -738,25 +738,27 @@ def lagging(images):
     return pixelwise(images)
 
 
-def test_segment_reads_windows_straight_into_pinned_memory(tmp_path):
-    """read_batch for a GPU (pin) on a GeoTIFF with a nodata value: each window read into pinned
-    memory itself, the batch and its masks pinned, and equal to the same windows read without
-    pinning. Would catch: windows read into pageable memory and then copied into pinned memory (the
-    copy this saves), a batch left pageable (its copy to the GPU would block the host), or a window
-    lost on the way."""
+def test_segment_reads_rows_straight_into_pinned_memory(tmp_path):
+    """read_rows for a GPU (pin) on a GeoTIFF with a nodata value: each strip read into pinned
+    memory itself, its pixels and mask pinned, and equal to the same rows read without pinning.
+    Would catch: rows read into pageable memory and then copied into pinned memory (the copy this
+    saves), a strip or mask left pageable (its copy to the GPU would block the host), or rows lost
+    on the way."""
     from cloudseg.geo import open_scene
-    from cloudseg.segment import read_batch
+    from cloudseg.segment import read_rows
 
     pytest.importorskip("rasterio")
-    boxes = [(0, 0, 64, 96), (50, 70, 64, 96), (86, 134, 64, 96)]
+    strips = [(0, 64), (50, 114), (86, 150)]
     with open_scene(gpu_segment_scene(tmp_path)) as scene:
         read, read_into = scene.read, []
         scene.read = lambda *box, out=None: read_into.append(out is not None and out.is_pinned()) or read(*box, out=out)
-        pinned, pinned_masks = read_batch(scene, boxes, pin=True)
-        pageable, masks = read_batch(scene, boxes, pin=False)
-    assert read_into[:len(boxes)] == [True] * len(boxes)
-    assert pinned.is_pinned() and pinned_masks.is_pinned() and not pageable.is_pinned()
-    assert torch.equal(pinned, pageable) and torch.equal(pinned_masks, masks) and not masks.all()
+        pinned = [read_rows(scene, *strip, pin=True) for strip in strips]
+        pageable = [read_rows(scene, *strip, pin=False) for strip in strips]
+    assert read_into[:len(strips)] == [True] * len(strips)
+    for (pixels, mask), (plain, plain_mask) in zip(pinned, pageable):
+        assert pixels.is_pinned() and mask.is_pinned() and not plain.is_pinned()
+        assert torch.equal(pixels, plain) and torch.equal(mask, plain_mask)
+    assert not all(mask.all() for _, mask in pageable)
 
 
 def test_segment_on_the_gpu_writes_what_the_cpu_writes(tmp_path, monkeypatch):

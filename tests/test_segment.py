@@ -317,53 +317,51 @@ def test_strips_are_rounded_up_to_the_file_s_blocks_unless_those_are_taller_than
     assert segment_module.read_strips(450, 401) == [(0, 100), (100, 200), (200, 300), (300, 400), (400, 450)]
 
 
-def test_windows_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gdal_handle(tmp_path):
-    """prefetched with three batches ahead, reading a GeoTIFF's windows (as for a GPU): the batches
+def test_strips_read_ahead_in_threads_come_in_order_each_thread_with_its_own_gdal_handle(tmp_path):
+    """prefetched with three strips ahead, reading a GeoTIFF's rows (as for a GPU): the strips
     come in order and equal a plain read, and each reading thread has a handle of its own. Would
     catch: results out of order, a read dropped, and threads sharing one GDAL handle (not safe)."""
     from cloudseg.geo import open_scene
 
     path = write_geotiff(tmp_path / "scene.tif", smooth_scene(200, 300), nodata=7)
-    boxes = [[(top, left, 40, 60)] for top in range(0, 160, 40) for left in range(0, 240, 60)]
+    strips = [(top, top + 25) for top in range(0, 200, 25)]
     with open_scene(path) as scene:
-        alone = [segment_module.read_batch(scene, batch, pin=False) for batch in boxes]
-        ahead = list(segment_module.prefetched(lambda batch: segment_module.read_batch(scene, batch, False), boxes, 3))
+        alone = [segment_module.read_rows(scene, *strip, pin=False) for strip in strips]
+        ahead = list(segment_module.prefetched(lambda strip: segment_module.read_rows(scene, *strip, False), strips, 3))
         handles = len(scene.handles)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(alone, ahead))
-    assert len(ahead) == len(boxes) and 2 <= handles <= 4  # the opening thread's and up to three readers'
+    assert len(ahead) == len(strips) and 2 <= handles <= 4  # the opening thread's and up to three readers'
 
 
 @pytest.mark.parametrize("nodata", [None, 7])
-def test_a_batch_holds_each_window_as_the_file_has_it(tmp_path, nodata):
-    """CPU. read_batch reads each window straight into one batch: against rasterio reading each
-    window alone (and GDAL's dataset mask for the masks), for a GeoTIFF with and without a nodata
-    value, and against slices of the image for a scene held in memory (a JPEG's or PNG's).
-    Would catch: a window read into another's place in the batch, or transposed, or shifted; the
-    masks of other windows; masks made up for a file that marks no no-data; a window of another
-    size read into the batch's (rasterio resamples it to fit, silently)."""
+def test_rows_are_read_as_the_file_has_them(tmp_path, nodata):
+    """CPU. read_rows reads rows of the whole width straight into their tensor: against rasterio
+    reading the same rows (and GDAL's dataset mask for the masks), for a GeoTIFF with and without a
+    nodata value, and against slices of the image for a scene held in memory (a JPEG's or PNG's);
+    and a window read into a tensor of another size refused. Would catch: rows shifted or
+    transposed, the mask of other rows, a mask made up for a file that marks no no-data, a window
+    of another size read into the tensor (rasterio resamples it to fit, silently)."""
     from rasterio.windows import Window
 
     from cloudseg.geo import open_scene
 
     image = smooth_scene(90, 130)
     image[:20, :30] = 7
-    boxes = [(0, 0, 40, 60), (50, 70, 40, 60), (25, 33, 40, 60)]
+    strips = [(0, 40), (50, 90), (25, 65)]
     path = write_geotiff(tmp_path / "scene.tif", image, nodata=nodata)
-    with open_scene(path) as scene:
-        images, masks = segment_module.read_batch(scene, boxes, pin=False)
-    assert images.shape == (3, 3, 40, 60) and (masks is None) == (nodata is None)
-    with rasterio.open(path) as dataset:
-        for index, (top, left, height, width) in enumerate(boxes):
-            window = Window(left, top, width, height)
-            assert np.array_equal(images[index].numpy(), dataset.read((1, 2, 3), window=window)), index
-            if masks is not None:
-                assert np.array_equal(masks[index].numpy(), dataset.dataset_mask(window=window) > 0), index
+    with open_scene(path) as scene, rasterio.open(path) as dataset:
+        for top, bottom in strips:
+            pixels, mask = segment_module.read_rows(scene, top, bottom, pin=False)
+            window = Window(0, top, 130, bottom - top)
+            assert pixels.shape == (3, bottom - top, 130) and (mask is None) == (nodata is None)
+            assert np.array_equal(pixels.numpy(), dataset.read((1, 2, 3), window=window)), top
+            if mask is not None:
+                assert np.array_equal(mask.numpy(), dataset.dataset_mask(window=window) > 0), top
     with open_scene(path) as scene, pytest.raises(ValueError, match=r"scene.tif: a 20x30 window read into \(3, 40, 60\)"):
-        segment_module.read_batch(scene, [boxes[0], (0, 0, 20, 30)], pin=False)  # rasterio alone would resample
-    images, masks = segment_module.read_batch(ImageArray(image), boxes, pin=False)
-    assert masks is None
-    for index, (top, left, height, width) in enumerate(boxes):
-        assert np.array_equal(images[index].permute(1, 2, 0).numpy(), image[top:top + height, left:left + width]), index
+        scene.read(0, 0, 20, 30, out=torch.empty((3, 40, 60), dtype=torch.uint8))  # rasterio alone would resample
+    for top, bottom in strips:
+        pixels, mask = segment_module.read_rows(ImageArray(image), top, bottom, pin=False)
+        assert mask is None and np.array_equal(pixels.permute(1, 2, 0).numpy(), image[top:bottom]), top
 
 
 @pytest.mark.parametrize("thresholds", [[0.5, 0.35, 0.6, 0.65], [-0.1, 1.2, 0.0, 1.0]], ids=["within", "off 0-1"])
