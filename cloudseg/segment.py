@@ -36,6 +36,7 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -57,7 +58,7 @@ from cloudseg.viz import overlay
 log = logging.getLogger("cloudseg")
 
 OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighbour
-RELEASE_ROWS = 32  # final rows handed to the outputs at once on a CPU (their float32 and uint8 temporaries)
+ENCODE_ROWS = 32  # rows of a band encoded at once on a CPU (`map_geotiff`; their temporaries stay small)
 # Files written at once, each scene's in a thread of its own (`Writer`): on an H100's 16 cores the writes
 # alone of two 7000x18000 maps ran 1.43x (deflate) and 1.98x (ZSTD) faster two at once than one after the
 # other (BENCHMARKS.md, 2026-11-27), where on 2 cores they gained nothing; but segment itself, two files at
@@ -165,17 +166,14 @@ class StripBlender:
         self.sums[:, rows, columns].addcmul_(probs, weights)
         self.valid[rows, columns] = valid
 
-    def release(self, end: int, rows: int | None):
-        """Yield (top, probabilities 4×n×W, valid n×W) for the final rows [top, end), `rows` at a
-        time (all at once for None), as they lie (off the data: whatever the model said there).
-        They are views of this strip, untouched until its next turn, which begins once the next
-        release has yielded its last band: read each before asking for a band beyond that. The
-        strip then starts at `end`, in the other one, its kept rows copied there."""
+    def release(self, end: int):
+        """Yield (top, probabilities 4×n×W, valid n×W) for the final rows [top, end), as they lie
+        (off the data: whatever the model said there). They are views of this strip, untouched until
+        its next turn, which begins once the next release has been yielded: read them before asking
+        for the release after that. The strip then starts at `end`, in the other one, its kept rows
+        copied there."""
         count = end - self.top
-        step = rows or count
-        for start in range(0, count, step):
-            band = slice(start, min(count, start + step))
-            yield self.top + start, self.sums[:, band], self.valid[band]
+        yield self.top, self.sums[:, :count], self.valid[:count]
         if end < self.height:
             kept = self.valid.shape[0] - count
             self.spare = self.spare or (torch.empty_like(self.sums), torch.empty_like(self.valid))  # all written below
@@ -278,20 +276,20 @@ class ReadRows:
 
 
 def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: float, clock: StageClock | None = None):
-    """Yield (top, probabilities 4×n×W float32, valid n×W) for bands of final rows of `scene`,
-    top to bottom, from its windows batched through the ensemble and blended, all on the
-    ensemble's device. The scene is read once, in strips of rows ahead of the windows (`ReadRows`),
+    """Yield (top, probabilities 4×n×W float32, valid n×W) for the final rows of `scene`, a
+    band a row of windows, top to bottom, from its windows batched through the ensemble and
+    blended, all on the ensemble's device. The scene is read once, in strips of rows ahead of the windows (`ReadRows`),
     and each batch of windows is copied out of them. A pixel is valid where it is not black
     (predict.no_data) and the file has data there; off the data the probabilities are whatever the
     model said (output_bands writes NODATA there). The bands are views of the blender's strips:
-    read each before asking for the band after next (as `Writer` and a plain loop do). `clock`
-    gets each stage's seconds."""
+    read each before asking for the band after next (as `Writer` and a plain loop do), so that
+    a thread may encode one while this makes the next row of windows. `clock` gets each stage's
+    seconds."""
     grid, device, clock = tiling(scene.height, scene.width, tile, overlap), ensemble.device, clock or StageClock()
     windows = [(row, column) for row in range(len(grid.tops)) for column in range(len(grid.lefts))]
     size = ensemble.config.predict.batch_size
     batches = [windows[start:start + size] for start in range(0, len(windows), size)]
     weights = window_weights(grid, device)
-    release_rows = RELEASE_ROWS if device.type == "cpu" else None  # a GPU hands a row of windows over at once
 
     def read(strip):
         with clock("read"):
@@ -316,12 +314,12 @@ def blended_rows(scene, ensemble: Ensemble, tile: tuple[int, int], overlap: floa
                 probs = ensemble_native(ensemble, images, zero_black=False)[0]  # `valid` marks the black pixels
             for (row, column), window_probs, window_valid in zip(batch, probs, valid):
                 if row != current_row:
-                    yield from blender.release(grid.tops[row], release_rows)
+                    yield from blender.release(grid.tops[row])
                     current_row = row
                 with clock("blend"):
                     blender.add(window_probs, weights(row, column), window_valid, grid.tops[row],
                                 grid.lefts[column])
-    yield from blender.release(scene.height, release_rows)
+    yield from blender.release(scene.height)
 
 
 def timed_items(items, clock: StageClock, stage: str):
@@ -550,33 +548,44 @@ class Lane:
         return future
 
 
+def pieces_soon(top: int, probs: torch.Tensor, valid: torch.Tensor, thresholds) -> list[tuple[int, Callable]]:
+    """A band of blended rows (a row of windows) as (top, `geo.output_bands_soon`) pieces: ENCODE_ROWS
+    rows each on a CPU, where the writer's thread encodes the band in them; on a GPU the band
+    whole (its work queued at once)."""
+    step = ENCODE_ROWS if valid.device.type == "cpu" else max(1, len(valid))
+    return [(top + start, geo.output_bands_soon(probs[:, start:start + step], valid[start:start + step], thresholds))
+            for start in range(0, len(valid), step)]
+
+
 def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options: SegmentOptions, *,
                 writer: Writer, lane: Lane | None = None):
     """Encode the blended `rows` of a GeoTIFF scene (`geo.output_bands_soon`: a GPU's work queued
     here as each band comes) and write the outputs of `options` into the GeoTIFF `out` as they come,
-    in `writer`'s thread (the writes in `lane`'s, if any) while the model works on the next ones.
+    in `writer`'s thread (the writes in `lane`'s, if any) while the model works on the next ones: a
+    band at a time, in its `pieces_soon`.
     Returns what finishes the file there (the last blocks compressed, a COG copied, the temporary
     file renamed: it returns [out]) or, after a failed write, removes it and raises that write's
     error. A failed write stops the mapping at the next rows; an error of the mapping removes the
     file here."""
     clock, failed = writer.clock, []  # failed: the first write's error, from the writer's or the lane's thread
 
-    def encode(top, bands_soon):
-        if failed:
-            return
-        try:
-            with clock("encode"):
-                bands, pixel_counts = bands_soon()
-            with clock("write"):
-                counts.add(top, bands, pixel_counts)
-            chosen = geo.chosen_bands(bands, options.outputs)
-            if lane is None:
-                write(top, chosen)
-            else:  # a view of some bands holds them all
-                lane.submit(write, top, chosen, size=bands.nbytes if np.may_share_memory(chosen, bands) else
-                            chosen.nbytes)
-        except BaseException as error:  # noqa: BLE001 -- kept for the scene: raised by close() or the mapping
-            failed.append(error)
+    def encode(pieces):
+        for top, bands_soon in pieces:
+            if failed:
+                return
+            try:
+                with clock("encode"):
+                    bands, pixel_counts = bands_soon()
+                with clock("write"):
+                    counts.add(top, bands, pixel_counts)
+                chosen = geo.chosen_bands(bands, options.outputs)
+                if lane is None:
+                    write(top, chosen)
+                else:  # a view of some bands holds them all
+                    lane.submit(write, top, chosen, size=bands.nbytes if np.may_share_memory(chosen, bands) else
+                                chosen.nbytes)
+            except BaseException as error:  # noqa: BLE001 -- kept for the scene: raised by close() or the mapping
+                failed.append(error)
 
     def write(top, bands):
         if failed:
@@ -610,8 +619,8 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
             if failed:
                 raise failed[0]
             with clock("encode"):  # a GPU's work queued here, its wait in the writer's thread
-                bands_soon = geo.output_bands_soon(probs, valid, thresholds)
-            writer.submit(encode, top, bands_soon)
+                pieces = pieces_soon(top, probs, valid, thresholds)
+            writer.submit(encode, pieces)
     except BaseException as error:
         failed.append(error)  # the queued encodes and writes of this file return at once
         writer.wait()  # no write of this file left running

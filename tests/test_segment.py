@@ -2,6 +2,7 @@
 lat/lon grid, on small synthetic scenes (models: a tiny untrained UNet, or stand-ins whose
 output is known by hand)."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -217,14 +218,12 @@ def test_a_tall_scene_is_blended_one_row_of_windows_at_a_time(tiny_ensemble, mon
     assert held == [64] * 10  # a batch a row of windows, a strip each: a window's rows and a strip's ahead
 
 
-@pytest.mark.parametrize("release_rows", [None, 8])
-def test_a_band_stays_as_it_was_yielded_while_the_next_one_is_made(tiny_ensemble, monkeypatch, release_rows):
+def test_a_band_stays_as_it_was_yielded_while_the_next_one_is_made(tiny_ensemble):
     """CPU. The writer thread reads band k while blended_rows makes band k + 1 (adding the next row
     of windows, moving the strip on): band k must not change meanwhile, though the bands are views
     of the blender's strips. Would catch: one strip moved up in place under a band being written
     (the rows of the next window row, or zeros, written over it)."""
     _, ensemble = tiny_ensemble
-    monkeypatch.setattr(segment_module, "RELEASE_ROWS", release_rows)
     rows = blended_rows(ImageArray(smooth_scene(101, 157)), stand_in(pixelwise, ensemble.config, batch_size=2),
                         (32, 48), 0.25)
     previous, count = None, 0
@@ -429,6 +428,28 @@ def test_rows_come_to_the_host_behind_an_event_of_their_own_not_the_stream(fake_
     assert cuda.calls[len(launched):] == [("synchronize event", stream, 2)]  # 2: the mode still "error"
     assert syncs.counts["segment rows"] - before == 1 and host_syncs.found == []
     assert [(tensor.device.type, tuple(tensor.shape)) for tensor in on_host] == [("cpu", (8, 5, 7)), ("cpu", (5,))]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_band_is_encoded_in_pieces_on_a_cpu_and_whole_on_a_gpu(monkeypatch, device):
+    """CPU, and a fake GPU (FakeTensorMode's CUDA tensors). `pieces_soon` cuts a band of 21 rows
+    starting at row 100 into pieces of ENCODE_ROWS (8) on a CPU, and leaves it whole on a GPU. Would
+    catch: a GPU's band cut up (a copy to the host and a wait per piece), a CPU's encoded whole
+    (the encoder's temporaries as tall as a row of windows), pieces that skip, repeat or shift rows
+    (their tops, and their rows where the values are real)."""
+    monkeypatch.setattr(segment_module, "ENCODE_ROWS", 8)
+    monkeypatch.setattr(segment_module.geo, "output_bands_soon", lambda probs, valid, thresholds: (probs, valid))
+    probs = torch.arange(4 * 21 * 5, dtype=torch.float32).reshape(4, 21, 5)
+    valid = torch.arange(21 * 5).reshape(21, 5) % 3 > 0
+    with FakeTensorMode(allow_non_fake_inputs=True) if device == "cuda" else contextlib.nullcontext():
+        pieces = segment_module.pieces_soon(100, probs.to(device), valid.to(device), [0.5] * 4)
+    bounds = [(0, 8), (8, 16), (16, 21)] if device == "cpu" else [(0, 21)]
+    assert [top for top, _ in pieces] == [100 + start for start, _ in bounds]
+    for (start, end), (_, (piece_probs, piece_valid)) in zip(bounds, pieces, strict=True):
+        assert piece_probs.device.type == device and piece_probs.shape == (4, end - start, 5)
+        assert piece_probs.storage_offset() == start * 5 and piece_valid.storage_offset() == start * 5  # its rows
+        if device == "cpu":
+            assert torch.equal(piece_probs, probs[:, start:end]) and torch.equal(piece_valid, valid[start:end])
 
 
 def test_a_model_trained_without_an_image_size_maps_at_the_size_it_trained_on(data_copy, tmp_path):

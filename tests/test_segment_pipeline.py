@@ -14,7 +14,7 @@ from cloudseg import geo
 from cloudseg import segment as segment_module
 from cloudseg.files import atomic_path
 from cloudseg.stages import StageClock
-from tests.test_segment import pixelwise, smooth_scene, tiny_ensemble, write_geotiff  # noqa: F401
+from tests.test_segment import pixelwise, smooth_scene, stand_in, tiny_ensemble, write_geotiff  # noqa: F401
 
 rasterio = pytest.importorskip("rasterio")
 
@@ -30,7 +30,7 @@ def small_strips(monkeypatch):
 
 @pytest.fixture
 def scenes(tmp_path):
-    """Three 320×230 GeoTIFF scenes, a.tif, b.tif and c.tif (5 rows of windows each)."""
+    """Three 320×230 GeoTIFF scenes, a.tif, b.tif and c.tif (7 rows of windows each)."""
     (tmp_path / "in").mkdir()
     return [write_geotiff(tmp_path / "in" / f"{name}.tif", smooth_scene(320, 230, seed))
             for seed, name in enumerate("abc")]
@@ -94,6 +94,45 @@ def test_the_next_scene_is_read_and_mapped_while_the_last_one_is_finished(tiny_e
     assert first_read_of_b < finished_a
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["a.json", "a.tif", "b.json", "b.tif",
                                                                           "fractions.csv"]
+
+
+def test_a_band_is_encoded_in_pieces_while_the_model_makes_the_next_row_of_windows(tiny_ensemble, scenes, tmp_path,
+                                                                                  monkeypatch):
+    """CPU. The writer's thread encodes a band of final rows (a row of windows) in pieces of
+    ENCODE_ROWS rows while the model goes on with the next row of windows: here the first band's
+    second piece waits for the model's next call. Would catch: the mapping waiting for each piece
+    in turn (the model idle while a band is encoded: that wait would time out), pieces taller than
+    ENCODE_ROWS, rows encoded twice or never, or a map that depends on the pieces (compared with
+    the same scene encoded a band at a time)."""
+    _, ensemble = tiny_ensemble
+    calls, pieces, went_on = [], [], []
+    soon = geo.output_bands_soon
+
+    def watched(probs, valid, thresholds):
+        index, calls_then, bands_soon = len(pieces), len(calls), soon(probs, valid, thresholds)
+        pieces.append(len(valid))
+
+        def later():
+            if index == 1:
+                deadline = time.monotonic() + 10
+                while len(calls) == calls_then and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                went_on.append(len(calls) > calls_then)
+            return bands_soon()
+        return later
+
+    monkeypatch.setattr(geo, "output_bands_soon", watched)
+    monkeypatch.setattr(segment_module, "ENCODE_ROWS", 8)
+    ensemble = counting(stand_in(pixelwise, ensemble.config, batch_size=2), calls)  # a model call between two bands
+    assert segment_module.segment_scenes(scenes[:1], ensemble, tmp_path / "pieces", OPTIONS) == 0
+    assert went_on == [True] and max(pieces) == 8 and sum(pieces) == 320
+    monkeypatch.setattr(segment_module, "ENCODE_ROWS", 1000)
+    first = len(pieces)
+    assert segment_module.segment_scenes(scenes[:1], ensemble, tmp_path / "whole", OPTIONS) == 0
+    assert len(pieces) - first == len(segment_module.tiling(320, 230, OPTIONS.tile, OPTIONS.overlap).tops)  # a band each
+    assert sum(pieces[first:]) == 320
+    with rasterio.open(tmp_path / "pieces" / "a.tif") as pieced, rasterio.open(tmp_path / "whole" / "a.tif") as whole:
+        assert np.array_equal(pieced.read(), whole.read())
 
 
 def test_two_files_at_once_write_the_same_maps_each_file_in_one_thread_in_order(tiny_ensemble, scenes, tmp_path,
