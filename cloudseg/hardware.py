@@ -50,8 +50,11 @@ NVIDIA_PROC = Path("/proc/driver/nvidia")  # the kernel driver's view, present e
 
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity where the OS keeps one (taskset, a
-    Slurm job, a container's cpuset), not every core of the machine as os.cpu_count() counts."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    Slurm job, a container's cpuset), not every core of the machine as os.cpu_count() counts;
+    its share of them where torchrun started several processes on this machine
+    (LOCAL_WORLD_SIZE: `cloudseg segment` may run two on one GPU), at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -308,3 +308,16 @@ def test_usable_cores_are_the_process_s_affinity_not_the_machine_s(monkeypatch):
     assert usable_cores() == 3
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS and Windows keep none
     assert usable_cores() == 64
+
+
+@pytest.mark.parametrize("processes, share", [(None, 16), ("1", 16), ("3", 5), ("4", 4), ("32", 1)])
+def test_processes_torchrun_started_on_one_machine_share_its_cores(monkeypatch, processes, share):
+    """CPU. Would catch: each of torchrun's processes (LOCAL_WORLD_SIZE of them on this machine,
+    segment's sharing one GPU) sizing its reading and compressing threads by every core, N times
+    too many threads in all; a share of none where there are more processes than cores."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    if processes is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", processes)
+    assert usable_cores() == share
