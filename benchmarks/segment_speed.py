@@ -79,7 +79,7 @@ commands that predict now never search, hardware.speed_switches.)
 
 Usage: [OMP_NUM_THREADS=1] python benchmarks/segment_speed.py [--repeat R --scenes N --height H --width W --tile H W
        --batch B --config FILE --device D --files-at-once N --processes N --codecs C [C ...] --outputs O [O ...]
-       --rows LETTERS --log
+       --rows LETTERS --log --switch-interval SECONDS
        --no-writes --no-fixed-cost]
 """
 
@@ -138,6 +138,8 @@ class Constant(torch.nn.Module):
 
 def main() -> None:
     args = parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     logging.basicConfig(level=logging.INFO if args.log else logging.WARNING)
     device = resolve_device(args.device)
     args.rows = args.rows or "abcdefi"
@@ -243,7 +245,8 @@ def print_table(rows: Rows, args, device: torch.device, load: float) -> None:
           f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, device {device}"
           f"{f' ({torch.cuda.get_device_name(device)})' if device.type == 'cuda' else ''}, torch {torch.__version__}; "
           f"{args.scenes} scenes of {args.height}x{args.width}, windows {args.tile[0]}x{args.tile[1]}, "
-          f"model of {args.config}; THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}")
+          f"model of {args.config}; THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}; "
+          f"switch interval {sys.getswitchinterval() * 1000:g} ms")
     print(f"load average before: {load:.1f} (other processes slow the wall-clock figures, "
           "less the CPU seconds)")
     print("| row | seconds | CPU s | scenes/s | megapixels/s | speed-up |")
@@ -289,6 +292,10 @@ def parse_args():
                         help="also time row c's maps written again alone, one file at a time and all at once")
     parser.add_argument("--fixed-cost", action=argparse.BooleanOptionalAction, default=True,
                         help="also time two `cloudseg segment` calls in new processes")
+    parser.add_argument("--switch-interval", type=float, metavar="SECONDS",
+                        help="sys.setswitchinterval for the rows timed in this process, not row j's commands "
+                             "(Python's default: 0.005): how long a thread that lets go of the interpreter's lock "
+                             "for each PyTorch operation may wait for it back while another thread runs Python")
     add_device_option(parser, "the scenes are mapped")
     return parser.parse_args()
 

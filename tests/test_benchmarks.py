@@ -153,10 +153,11 @@ def test_segment_benchmark_prints_its_table():
     codec or timing files at once that are not there (writes_alone itself checks each file read
     back against row c's map), a writing thread's CPU seconds not its own (the process's clock
     counts GDAL's compression threads too, and so runs ahead of the wall clock where they work),
-    row i (GDAL's writer, as before geo.CompressedStrips) not timed in turn with row c again, or
-    row c with other --outputs missing."""
+    row i (GDAL's writer, as before geo.CompressedStrips) not timed in turn with row c again,
+    row c with other --outputs missing, or --switch-interval not set (the header reads Python's)."""
     out = run(*SEGMENT_SPEED, "--scenes", "2", "--no-fixed-cost", "--rows", "abcdefi",  # two scenes: two files at once
-              "--outputs", "probs,masks", "classbits")
+              "--outputs", "probs,masks", "classbits", "--switch-interval", "0.002")
+    assert "; switch interval 2 ms" in out
     for row in ("a. naive loop (batch 1, no overlap)", "b. cloudseg segment, overlap 0.0 (batch 4)",
                 "c. cloudseg segment, overlap 0.25 (batch 4)", "d. naive loop, no model (batch 1, no overlap)",
                 "e. cloudseg segment, no model, overlap 0.0 (batch 4)", "f. cloudseg segment, no model, overlap 0.25 (batch 4)",
