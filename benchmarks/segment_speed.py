@@ -246,7 +246,8 @@ def print_table(rows: Rows, args, device: torch.device, load: float) -> None:
           f"{f' ({torch.cuda.get_device_name(device)})' if device.type == 'cuda' else ''}, torch {torch.__version__}; "
           f"{args.scenes} scenes of {args.height}x{args.width}, windows {args.tile[0]}x{args.tile[1]}, "
           f"model of {args.config}; THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}; "
-          f"switch interval {sys.getswitchinterval() * 1000:g} ms")
+          f"switch interval {sys.getswitchinterval() * 1000:g} ms"
+          f"{' (row j: the default in its processes)' if args.processes > 1 else ''}")
     print(f"load average before: {load:.1f} (other processes slow the wall-clock figures, "
           "less the CPU seconds)")
     print("| row | seconds | CPU s | scenes/s | megapixels/s | speed-up |")
@@ -292,12 +293,19 @@ def parse_args():
                         help="also time row c's maps written again alone, one file at a time and all at once")
     parser.add_argument("--fixed-cost", action=argparse.BooleanOptionalAction, default=True,
                         help="also time two `cloudseg segment` calls in new processes")
-    parser.add_argument("--switch-interval", type=float, metavar="SECONDS",
+    parser.add_argument("--switch-interval", type=positive_seconds, metavar="SECONDS",
                         help="sys.setswitchinterval for the rows timed in this process, not row j's commands "
                              "(Python's default: 0.005): how long a thread that lets go of the interpreter's lock "
                              "for each PyTorch operation may wait for it back while another thread runs Python")
     add_device_option(parser, "the scenes are mapped")
     return parser.parse_args()
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    return value
 
 
 def gdal_writer():

@@ -52,9 +52,11 @@ def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity where the OS keeps one (taskset, a
     Slurm job, a container's cpuset), not every core of the machine as os.cpu_count() counts;
     its share of them where torchrun started several processes on this machine
-    (LOCAL_WORLD_SIZE: `cloudseg segment` may run two on one GPU), at least one."""
+    (LOCAL_WORLD_SIZE: `cloudseg segment` may run two on one GPU), at least one. (A launcher that
+    pins each process to cores of its own, torchrun --numa-binding, gets fewer threads than it could.)"""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    processes = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(1, cores // max(1, int(processes) if processes.isdigit() else 1))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -621,6 +621,8 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
             with clock("encode"):  # a GPU's work queued here, its wait in the writer's thread
                 pieces = pieces_soon(top, probs, valid, thresholds)
             writer.submit(encode, pieces)
+            if failed:  # the band before failed (submit waited for it): no next row of windows made for nothing
+                raise failed[0]
     except BaseException as error:
         failed.append(error)  # the queued encodes and writes of this file return at once
         writer.wait()  # no write of this file left running

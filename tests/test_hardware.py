@@ -310,11 +310,13 @@ def test_usable_cores_are_the_process_s_affinity_not_the_machine_s(monkeypatch):
     assert usable_cores() == 64
 
 
-@pytest.mark.parametrize("processes, share", [(None, 16), ("1", 16), ("3", 5), ("4", 4), ("32", 1)])
+@pytest.mark.parametrize("processes, share", [(None, 16), ("1", 16), ("3", 5), ("4", 4), ("32", 1),
+                                               ("", 16), ("0", 16), ("two", 16)])
 def test_processes_torchrun_started_on_one_machine_share_its_cores(monkeypatch, processes, share):
     """CPU. Would catch: each of torchrun's processes (LOCAL_WORLD_SIZE of them on this machine,
     segment's sharing one GPU) sizing its reading and compressing threads by every core, N times
-    too many threads in all; a share of none where there are more processes than cores."""
+    too many threads in all; a share of none where there are more processes than cores; a value
+    torchrun never sets (empty, 0, not a number) failing every import of segment."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     if processes is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -229,6 +229,26 @@ def test_a_failed_write_fails_its_own_scene_stops_it_and_leaves_no_file(tiny_ens
     assert 0 < calls_b < calls_a
 
 
+def test_a_failed_write_stops_the_mapping_before_the_next_row_of_windows(tiny_ensemble, scenes, tmp_path,
+                                                                         monkeypatch):
+    """CPU, one file at a time (its writes in the writer's thread), batches of two windows, three
+    windows a row. The first band's write fails, slowly: the mapping stops as it hands over the second band
+    (whose hand-over waited for the first), so the model made rows of windows 0 to 2 (batches 0 to
+    3: window (2, 0) is the seventh), not one row more. Would catch: the failure noticed only at
+    the band after (a row of windows read and predicted for nothing: 5 calls)."""
+    _, ensemble = tiny_ensemble
+
+    def failing(out, top, bands):
+        time.sleep(0.3)  # slower than a row of windows: still writing when the second band comes
+        raise OSError(28, "No space left on device")
+
+    calls = []
+    monkeypatch.setattr(geo, "write_geotiff_rows", failing)
+    assert segment_module.segment_scenes(scenes[:1], counting(stand_in(pixelwise, ensemble.config, batch_size=2),
+                                                              calls), tmp_path / "out", OPTIONS) == 1
+    assert len(calls) == 4
+
+
 def test_a_scene_stopped_by_a_failed_write_is_closed_only_after_its_reads_ahead(tiny_ensemble, scenes, tmp_path,
                                                                                  monkeypatch, files_at_once):
     """CPU. Would catch: the scene's GDAL handles closed while a read ahead (in the reader thread)
