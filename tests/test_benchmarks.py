@@ -183,6 +183,15 @@ def test_segment_benchmark_prints_its_table():
     assert all(float(row[4]) <= min(float(row[2]), float(row[3])) + 0.01 for row in writes), writes
 
 
+@pytest.mark.parametrize("interval", ["0", "-0.001"])
+def test_segment_benchmark_refuses_a_switch_interval_python_would_refuse(interval):
+    """Would catch: a switch interval of 0 or below passed on to sys.setswitchinterval, which raises
+    a ValueError of its own (a traceback, where the option's error names the option)."""
+    done = subprocess.run([sys.executable, *SEGMENT_SPEED, "--switch-interval", interval], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and f"argument --switch-interval: must be above 0 seconds, got {interval}" in done.stderr
+
+
 def test_segment_benchmark_times_the_command_in_one_process_and_in_several(tmp_path):
     """Row j (--processes 2): `cloudseg segment` under torchrun, one process then two, on the CPU.
     Would catch: a row missing or the two counts swapped, a run that failed (left out silently, or
