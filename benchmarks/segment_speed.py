@@ -513,9 +513,9 @@ def processes_run(scenes: list[Path], checkpoint: Path, out: Path, args, device:
     seconds are the scenes' pixels over the rate of process 0's summary line (every process's scenes
     over process 0's time from its first scene to the last process's end, loading apart); the CPU
     seconds are the processes' whole (imports and loading in). The two j rows compare with each
-    other, not with row c. Each process sizes its reader and compressing threads by the machine's
-    cores, as a user's would: N processes start N times as many. None, its stderr's end printed,
-    if it fails."""
+    other, not with row c. Each process sizes its reader and compressing threads by its share of
+    the cores (hardware.usable_cores), as a user's would. None, its stderr's end printed, if it
+    fails."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
                "-m", "cloudseg", "segment", *map(str, scenes), f"predict.batch_size={args.batch}",
                "predict.compile=false", "--checkpoint", str(checkpoint),

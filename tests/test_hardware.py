@@ -305,6 +305,7 @@ def test_usable_cores_are_the_process_s_affinity_not_the_machine_s(monkeypatch):
     and a read ahead per core it cannot use."""
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one process on the machine, not torchrun's several
     assert usable_cores() == 3
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS and Windows keep none
     assert usable_cores() == 64
