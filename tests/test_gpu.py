@@ -109,6 +109,8 @@ def set_device_and_back(device) -> None:
     current = torch.cuda.current_device()
     torch.cuda.set_device(device)
     torch.cuda.set_device(current)
+
+
 # The functions it fakes without a device argument (their values are compared below); that the two
 # sets are all it fakes is checked on the CPU (tests/test_cuda_paths.py).
 WITHOUT_DEVICE = {"is_available", "device_count", "current_device", "get_arch_list", "is_bf16_supported", "empty_cache",
