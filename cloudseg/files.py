@@ -50,6 +50,16 @@ def published_together():
         raise
 
 
+def remove(path: Path) -> None:
+    """Delete `path` where it exists, durably: before the files it describes are replaced, so that
+    an interruption leaves neither it beside the new files nor it back after a power loss."""
+    try:
+        Path(path).unlink()
+    except FileNotFoundError:
+        return
+    fsync_directory(Path(path).parent)
+
+
 def new_hidden_file(path: Path) -> Path:
     """An empty file `.NAME.RANDOM.tmp` beside `path`, created as open() creates files.
 

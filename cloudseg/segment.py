@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from cloudseg import distributed, geo
-from cloudseg.files import atomic_path, new_hidden_file, published_together
+from cloudseg.files import atomic_path, new_hidden_file, published_together, remove
 from cloudseg.hardware import resolve_device, usable_cores
 from cloudseg.predict import Ensemble, ensemble_native, load_ensemble, no_data
 from cloudseg.stages import StageClock
@@ -440,6 +440,10 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         raise
 
     def finish() -> dict:
+        # a NAME.json here is another run's (this one's would have skipped the scene), of the maps about to be
+        # replaced: gone first, an interrupted or failed finish leaves the scene to map again, not that record
+        # beside these maps, or beside none
+        remove(done_file(out_dir, path))
         with published_together() as published:  # nothing of a failed scene left: its maps go with NAME.json
             with clock("write"):
                 published += close()

@@ -1,6 +1,7 @@
 """`cloudseg segment`'s outputs (--outputs, --compress, --cog), its GDAL threads and its stage line
 (cloudseg.stages), on the CPU with small scenes and models that cost nothing."""
 
+import contextlib
 import json
 import logging
 import re
@@ -226,6 +227,45 @@ def test_a_rerun_with_another_model_or_windows_maps_the_scene_again(tiny_ensembl
     del record["made_with"]
     (out / "scene.json").write_text(json.dumps(record))  # before anything of the model was recorded
     assert done_before(checkpoint, "predict.tta=hflip") == 1
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_a_rerun_stopped_before_its_record_leaves_the_scene_to_map_again(tiny_ensemble, scene_dir, tmp_path,
+                                                                        monkeypatch, caplog, killed):
+    """CPU. A scene mapped, then mapped again with another --overlap whose NAME.json cannot be
+    written (a full disk), its cleanup run or, as for a killed process, not run; then the first
+    options again. Would catch: the first call's NAME.json left in place while the maps it describes
+    are replaced (by the second call's, where it was killed: the third call then takes the scene as
+    done and keeps them) or removed (where it failed: the third call keeps no map at all)."""
+    checkpoint, _ = tiny_ensemble
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+
+    def mapped(*options):
+        caplog.clear()
+        status = run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", out,
+                             "--tile", 64, 96, "--postprocess", "none", *options)
+        return status, re.search(r"1 scenes, (\d) done before", caplog.text).group(1)
+
+    assert mapped() == (0, "0")
+    first = (out / "scene.tif").read_bytes()
+    real_atomic_path = segment_module.atomic_path
+
+    def full_disk_for_records(path):
+        if Path(path).suffix == ".json":
+            raise OSError(28, "No space left on device", str(path))
+        return real_atomic_path(path)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(segment_module, "atomic_path", full_disk_for_records)
+        if killed:  # a killed process removes nothing it published
+            patched.setattr(segment_module, "published_together", lambda: contextlib.nullcontext([]))
+        assert mapped("--overlap", 0.5) == (1, "0")
+    assert not (out / "scene.json").exists()
+    assert (out / "scene.tif").exists() == killed and (not killed or (out / "scene.tif").read_bytes() != first)
+    assert mapped() == (0, "0")  # mapped again, as the first time
+    assert (out / "scene.tif").read_bytes() == first
+    assert json.loads((out / "scene.json").read_text())["made_with"]["overlap"] == 0.25
 
 
 @pytest.mark.parametrize("seed", range(4))
