@@ -81,6 +81,9 @@ READ_AHEAD = max(1, min(8, usable_cores() // 2))
 READ_ROWS = 256
 FRACTIONS_CSV = "fractions.csv"
 GRID_NC = "grid.nc"
+# The errors a bad scene raises through cloudseg and Python, told by their message alone; any other (GDAL's
+# CPLE_* errors, OpenCV's cv2.error, a MemoryError, a bug) fails its scene all the same, its class named.
+SCENE_ERRORS = (ValueError, OSError, RuntimeError)
 
 
 # ---------------------------------------------------------------------------------- tiling
@@ -769,7 +772,7 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
         for path in tqdm(todo, desc=f"segment (process {distributed.rank()})", unit="scene", disable=None):
             try:
                 finishing.append((path, segment_scene(path, out_dir, ensemble, options, clock, writer)))
-            except (ValueError, OSError, RuntimeError) as error:
+            except Exception as error:  # noqa: BLE001 -- of any class (GDAL's, OpenCV's): the scene's alone
                 fail(path, error)
             while finishing and finishing[0][1].done():
                 pixels += finished(*finishing.pop(0), fail)
@@ -793,7 +796,7 @@ def finished(path: Path, finish: concurrent.futures.Future, fail) -> int:
     """The pixels of a scene whose finish is done, or 0 after `fail(path, its error)`."""
     try:
         record = finish.result()
-    except (ValueError, OSError, RuntimeError) as error:
+    except Exception as error:  # noqa: BLE001 -- as in segment_scenes: the scene's own
         fail(path, error)
         return 0
     return record["height"] * record["width"]
@@ -866,10 +869,13 @@ def map_record(options: SegmentOptions, path: Path) -> dict:
 
 def scene_error(path: Path, error: BaseException) -> str:
     """One line naming the scene (errors from cloudseg already start with the file); for
-    rasterio's "Read failed. See previous exception", GDAL's error that caused it."""
+    rasterio's "Read failed. See previous exception", GDAL's error that caused it; the error's class
+    where it is none of SCENE_ERRORS (a GDAL error, OpenCV's, a bug: which it was)."""
     while error.__cause__ is not None or (error.__context__ is not None and "previous exception" in str(error)):
         error = error.__cause__ or error.__context__
     text = geo.one_line(error)
+    if not isinstance(error, SCENE_ERRORS) and text != type(error).__name__:
+        text = f"{type(error).__name__}: {text}"
     return text if text.startswith(str(path)) else f"{path}: {text}"
 
 

@@ -285,25 +285,58 @@ def test_a_scene_stopped_by_a_failed_write_is_closed_only_after_its_reads_ahead(
     assert sum(what == "read" for what, _ in events) < len(strips)  # stopped early
 
 
+def gdal_error(message: str) -> Exception:
+    """An error as GDAL raises it through rasterio: of rasterio's CPLE_* classes, none of them an
+    OSError, ValueError or RuntimeError."""
+    return pytest.importorskip("rasterio._err").CPLE_AppDefinedError(1, 1, message)
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), gdal_error("TIFFFlush failed")],
+                         ids=["OSError", "GDAL's"])
 def test_a_failed_finish_is_its_own_scene_s_error(tiny_ensemble, scenes, tmp_path, monkeypatch, files_at_once,
-                                                  capsys):
+                                                  capsys, error):
     """CPU. Would catch: the error of a's finish (here its NAME.json) raised while b is mapped and
-    reported as b's, or b then left unmapped; a keeps no NAME.json, so a rerun maps it again, and
-    its map, renamed into place before NAME.json failed, is removed again (nothing of a failed
-    scene left in --out)."""
+    reported as b's, or b then left unmapped, or, for an error of a class cloudseg does not raise
+    itself (GDAL's), the whole call stopped there (b unmapped, no fractions.csv) or its class
+    unsaid; a keeps no NAME.json, so a rerun maps it again, and its map, renamed into place before
+    NAME.json failed, is removed again (nothing of a failed scene left in --out)."""
     _, ensemble = tiny_ensemble
 
     def failing_for_a(path):
         if path.name == "a.json":
-            raise OSError(5, "Input/output error")
+            raise error
         return atomic_path(path)
 
     monkeypatch.setattr(segment_module, "atomic_path", failing_for_a)
     assert segment_module.segment_scenes(scenes[:2], counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
-    error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and error[0].startswith(f"cloudseg segment: {scenes[0]}")
+    lines = capsys.readouterr().err.strip().splitlines()
+    named = "" if isinstance(error, OSError) else f"{type(error).__name__}: "
+    assert lines == [f"cloudseg segment: {scenes[0]}: {named}{error}"]
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "fractions.csv"]
     assert not segment_module.is_done(tmp_path / "out", scenes[0], OPTIONS)
+
+
+@pytest.mark.parametrize("error", [cv2.error("(-215:Assertion failed) in function 'resize'"), MemoryError()],
+                         ids=["OpenCV's", "MemoryError"])
+def test_a_scene_s_error_of_any_class_while_mapped_is_its_own(tiny_ensemble, scenes, tmp_path, monkeypatch, capsys,
+                                                              error):
+    """CPU, a's mapping stopped by an error of a class cloudseg does not raise itself. Would catch:
+    the whole call stopped by it (b and c unmapped, no fractions.csv; under torchrun the other
+    processes left waiting for this one's counts), or a line that does not say which error it was."""
+    _, ensemble = tiny_ensemble
+    real = segment_module.blended_rows
+
+    def failing_for_a(scene, *args, **kwargs):
+        if Path(scene.path).name == "a.tif":
+            raise error
+        return real(scene, *args, **kwargs)
+
+    monkeypatch.setattr(segment_module, "blended_rows", failing_for_a)
+    assert segment_module.segment_scenes(scenes, counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"cloudseg segment: {scenes[0]}: {type(error).__name__}" + (f": {error}" if str(error) else "")]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "c.json", "c.tif",
+                                                                         "fractions.csv"]
 
 
 @pytest.mark.parametrize("failing", ["a_overlay.png", "a.json"])
