@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     segment.add_argument("--tile", type=int, nargs=2, metavar=("H", "W"),
                          help="window size (default: the size the model trained on, data.image_size)")
     segment.add_argument("--overlap", type=float,
-                         help="share of a window that neighbouring windows have in common, at least (default 0.25)")
+                         help="share of a window that neighbouring windows have in common, at least (0 to 0.9; default 0.25)")
     segment.add_argument("--grid", type=float, metavar="DEGREES",
                          help="also grid the fractions of georeferenced scenes on a lat/lon grid of this step into grid.nc")
     segment.add_argument("--time-pattern", metavar="REGEX",
@@ -390,8 +390,6 @@ def run_segment(args) -> int:
     from cloudseg.geo import DEFAULT_CODEC, TIME_PATTERN
     from cloudseg.segment import OVERLAP, SegmentOptions, segment
 
-    if args.overlap is not None and not 0 <= args.overlap < 1:
-        raise ValueError(f"--overlap must be at least 0 and below 1, got {args.overlap}")
     # both come as positionals: a key=value is an override unless a file or folder has that name
     overrides = [item for item in args.scenes if re.match(r"\w+(\.\w+)+=", item) and not Path(item).exists()]
     scenes = [item for item in args.scenes if item not in overrides]

@@ -58,6 +58,7 @@ from cloudseg.viz import overlay
 log = logging.getLogger("cloudseg")
 
 OVERLAP = 0.25  # default --overlap: a quarter of a tile shared with each neighbour
+MAX_OVERLAP = 0.9  # beyond it a pixel is predicted over 100 times, and the windows' list alone can fill the memory
 ENCODE_ROWS = 32  # rows of a band encoded at once on a CPU (`map_geotiff`; their temporaries stay small)
 # Files written at once, each scene's in a thread of its own (`Writer`): on an H100's 16 cores the writes
 # alone of two 7000x18000 maps ran 1.43x (deflate) and 1.98x (ZSTD) faster two at once than one after the
@@ -357,7 +358,8 @@ class SegmentOptions:
         """A one-line error naming the option when an output or the codec is not one of segment's
         (or, where `geotiffs` are to be written, this GDAL cannot write the codec: a JPEG or PNG
         scene's outputs are PNGs, and GDAL is not even imported for them), or the time pattern
-        not one `geo.scene_time` can read, or --tile or --grid not a size."""
+        not one `geo.scene_time` can read, or --tile or --grid not a size, or --overlap not a share
+        of a window up to MAX_OVERLAP."""
         unknown = [output for output in self.outputs if output not in geo.OUTPUTS]
         if unknown or not self.outputs or len(set(self.outputs)) < len(self.outputs):
             raise ValueError(f"--outputs {','.join(self.outputs)}: give one or more of {', '.join(geo.OUTPUTS)}, "
@@ -366,6 +368,10 @@ class SegmentOptions:
         geo.check_time_pattern(self.time_pattern)
         if self.tile is not None and min(self.tile) < 1:
             raise ValueError(f"--tile {' '.join(map(str, self.tile))}: a window's height and width are at least 1")
+        if not 0 <= self.overlap <= MAX_OVERLAP:  # NaN too
+            raise ValueError(f"--overlap {self.overlap}: the share of a window its neighbours have in common, at least 0 "
+                             f"and at most {MAX_OVERLAP} (beyond it each pixel would be predicted over "
+                             f"{round(1 / (1 - MAX_OVERLAP) ** 2)} times)")
         if self.grid is not None and not 0 < self.grid <= 180:  # NaN too
             raise ValueError(f"--grid {self.grid}: a cell's size in degrees, above 0 and at most 180")
 

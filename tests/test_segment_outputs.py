@@ -499,12 +499,15 @@ def test_a_missing_library_of_our_writer_is_one_line_before_any_work(tiny_ensemb
 
 
 @pytest.mark.parametrize("option", [["--grid", "0"], ["--grid", "-1"], ["--grid", "nan"], ["--grid", "181"],
-                                    ["--tile", "0", "0"], ["--tile", "-5", "96"]])
-def test_a_grid_or_tile_that_is_no_size_is_refused_before_any_work(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
+                                    ["--tile", "0", "0"], ["--tile", "-5", "96"], ["--overlap", "-0.1"],
+                                    ["--overlap", "0.95"], ["--overlap", "nan"]])
+def test_a_grid_tile_or_overlap_out_of_range_is_refused_before_any_work(tiny_ensemble, scene_dir, tmp_path, monkeypatch,
                                                                    capsys, option):
     """CPU. Would catch: --grid 0 taken as no grid (no grid.nc, no word), a negative or NaN cell
     (cells of garbage, or NaN != NaN making no scene ever done), a window of no pixels (OpenCV's
-    assertion stopping the run) or of negative ones (every scene failing) accepted."""
+    assertion stopping the run) or of negative ones (every scene failing) accepted; an overlap below
+    0 (gaps between windows: every scene failing), NaN, or so near 1 that the windows' list alone
+    takes gigabytes (0.999: 44 million windows in a 7000×18000 scene) accepted."""
     checkpoint, _ = tiny_ensemble
     refused_before_any_work(monkeypatch, checkpoint, scene_dir, tmp_path / "out", capsys, option, f"{option[0]} ")
 
