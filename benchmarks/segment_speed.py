@@ -121,7 +121,7 @@ from cloudseg import segment as segment_module
 from cloudseg.checkpoint import save_checkpoint
 from cloudseg.cli import add_device_option
 from cloudseg.config import load_config
-from cloudseg.geo import GDAL_CACHE_MB, write_rgb_geotiff
+from cloudseg.geo import GDAL_CACHE_BYTES, write_rgb_geotiff
 from cloudseg.hardware import resolve_device
 from cloudseg.model import build_model
 from cloudseg.predict import load_ensemble, load_model, predict_probs
@@ -350,7 +350,7 @@ def naive(scenes: list[Path], model, tile, device: torch.device, out: Path) -> N
     """One window at a time, pasted side by side into a whole-scene array, then written whole."""
     out.mkdir(parents=True)
     for path in scenes:
-        with rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB), rasterio.open(path) as scene:
+        with rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_BYTES), rasterio.open(path) as scene:
             probs = np.zeros((4, scene.height, scene.width), np.float32)
             for top in range(0, scene.height, tile[0]):
                 for left in range(0, scene.width, tile[1]):
@@ -428,7 +428,7 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
         return out / maps[index].name, threading.get_ident(), time.thread_time() - cpu
 
     results = {}
-    with tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
+    with tempfile.TemporaryDirectory() as folder, rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_BYTES):
         for name, (codec, strip_rows, gdal) in WRITE_CODECS.items():
             for at_once in sorted({1, len(maps)}):
                 times = []

@@ -39,7 +39,8 @@ from cloudseg.task import LABELS
 
 GEOTIFF_SUFFIXES = (".tif", ".tiff")
 SCENE_SUFFIXES = (".jpg", ".jpeg", ".png", *GEOTIFF_SUFFIXES)
-GDAL_CACHE_MB = 64  # GDAL's block cache (default: 5% of the RAM) would otherwise hold the output scene
+GDAL_CACHE_BYTES = 64 << 20  # GDAL's block cache (default: 5% of the RAM) would otherwise hold the output scene; rasterio.Env
+# hands an integer GDAL_CACHEMAX to GDAL as bytes (64 alone gave GDAL a cache of 64 bytes)
 NODATA = 255  # in every output band: probabilities are 0-254 (p x 254), masks 0/1
 TIME_PATTERN = r"(?P<year>\d{4})-?(?P<month>\d{2})-?(?P<day>\d{2})"
 """Default --time-pattern: the first YYYYMMDD or YYYY-MM-DD in a scene's file name."""
@@ -191,7 +192,7 @@ def open_scene(path: str | Path, device: torch.device | str = "cpu"):
     if not is_geotiff(path):
         yield ImageScene(path, device)
         return
-    with geo_module("rasterio").Env(GDAL_CACHEMAX=GDAL_CACHE_MB):
+    with geo_module("rasterio").Env(GDAL_CACHEMAX=GDAL_CACHE_BYTES):
         scene = GeoTiffScene(path)
         try:
             yield scene
