@@ -416,7 +416,7 @@ def writes_alone(maps: list[Path], tile: tuple[int, int],
         with rasterio.open(path) as source:
             bands.append(source.read())
             scenes.append(SimpleNamespace(width=source.width, height=source.height, crs=source.crs,
-                                          transform=source.transform))
+                                          transform=source.transform, gcps=source.gcps))
 
     def write(index: int, codec: str, out: Path) -> tuple[Path, int, float]:
         height, cpu = scenes[index].height, time.thread_time()

@@ -138,6 +138,7 @@ class GeoTiffScene:
         self.height, self.width = self.dataset.height, self.dataset.width
         self.block_rows = self.dataset.block_shapes[0][0]  # the rows GDAL inflates at once
         self.crs, self.transform = self.dataset.crs, self.dataset.transform
+        self.gcps = self.dataset.gcps  # (ground control points, their CRS): ([], None) for most scenes
         self.tags = self.dataset.tags()
         all_valid = geo_module("rasterio.enums").MaskFlags.all_valid
         self.masked = any(flags != [all_valid] for flags in self.dataset.mask_flag_enums)
@@ -441,7 +442,7 @@ def gdal_geotiff(path: Path, tmp: Path, scene: GeoTiffScene, names: list[str], c
     for the codecs without a STRIP_ENCODER and for a COG's file of strips."""
     rasterio = geo_module("rasterio")
     profile = dict(driver="GTiff", width=scene.width, height=scene.height, count=len(names), dtype="uint8",
-                   crs=scene.crs, transform=scene.transform, nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
+                   **georeferencing(scene), nodata=NODATA, blockysize=OUTPUT_STRIP_ROWS,
                    interleave=INTERLEAVE, num_threads=WRITE_THREADS, BIGTIFF="IF_SAFER",
                    photometric="minisblack",  # as ours: else GDAL calls 3 bands RGB, 4 RGBA (a probability as alpha)
                    **CODECS["none" if cog else compress])
@@ -590,14 +591,29 @@ class CompressedStrips:
                 bigtiff=size > CLASSIC_TIFF_BYTES)
 
 
+def georeferencing(scene: GeoTiffScene) -> dict:
+    """The scene's georeferencing as rasterio's keywords for a new file: its ground control points
+    (and their CRS) where it has them, else its CRS (None where it has none) and transform."""
+    gcps, gcp_crs = scene.gcps
+    return dict(gcps=gcps, crs=gcp_crs) if gcps else dict(crs=scene.crs, transform=scene.transform)
+
+
 def georeference(path: Path, scene: GeoTiffScene, names: list[str]) -> None:
-    """Give the GeoTIFF at `path` the scene's CRS and transform, nodata NODATA and its bands' names,
-    in GDAL's own tags (GDAL updates the file's header; the strips stay where they are)."""
+    """Give the GeoTIFF at `path` the scene's georeferencing (`georeferencing`), nodata NODATA and
+    its bands' names, in GDAL's own tags (GDAL updates the file's header; the strips stay where
+    they are). A scene without any is mapped without any, as a JPEG is."""
     rasterio = geo_module("rasterio")
+    where = georeferencing(scene)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", rasterio.errors.NotGeoreferencedWarning)  # not yet: that is what we do
         with rasterio.open(path, "r+") as out:
-            out.crs, out.transform, out.nodata = scene.crs, scene.transform, NODATA
+            if "gcps" in where:
+                out.gcps = where["gcps"], where["crs"]
+            else:
+                out.transform = where["transform"]
+                if where["crs"] is not None:  # rasterio refuses None here ("CRS is invalid")
+                    out.crs = where["crs"]
+            out.nodata = NODATA
             for band, name in enumerate(names, start=1):
                 out.set_band_description(band, name)
 

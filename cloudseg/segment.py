@@ -36,6 +36,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -727,6 +728,8 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
     out_dir, scenes = Path(out_dir), find_scenes(sources)
     options.check(geotiffs=any(geo.is_geotiff(path) for path in scenes))
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
+    # a scene without georeferencing is mapped as a JPEG is, without: rasterio's warnings at each open would be stray lines
+    warnings.filterwarnings("ignore", message="(Dataset has no geotransform|The given matrix is equal to Affine.identity)")
     check_writable(out_dir, scenes)
     start = time.perf_counter()
     ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)),

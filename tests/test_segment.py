@@ -4,6 +4,7 @@ output is known by hand)."""
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 
 import cv2
@@ -539,6 +540,47 @@ def test_geotiff_out_keeps_the_scene_georeference_and_its_no_data(tiny_ensemble,
     grid = xarray.open_dataset(tmp_path / "out" / "grid.nc", engine="scipy").load()
     assert 14.5 < grid.lat.min() < grid.lat.max() < 15.0 and -63.1 < grid.lon.min() < grid.lon.max() < -62.4
     assert grid.valid_pixels.sum() == (~off).sum()
+
+
+@pytest.mark.parametrize("options", [[], ["--compress", "deflate"], ["--cog"]], ids=["zstd", "deflate", "cog"])
+def test_a_scene_without_a_crs_keeps_what_georeferencing_it_has(tiny_ensemble, tmp_path, monkeypatch, options):
+    """CPU, scenes with none, ground control points alone, and a transform without a CRS, each
+    through our writer (ZSTD), GDAL's and the COG copy. Would catch: such a scene failing with the
+    default codec alone ("CRS is invalid: None", raised where the map's CRS was set to None), a
+    GCP-only scene's map without its GCPs (its georeferencing lost), a transform dropped, or
+    rasterio's NotGeoreferencedWarning reaching the user as stray lines."""
+    from rasterio.control import GroundControlPoint
+
+    checkpoint, _ = tiny_ensemble
+    image = smooth_scene(70, 90)
+    (tmp_path / "in").mkdir()
+    profile = dict(driver="GTiff", width=90, height=70, count=3, dtype="uint8")
+    gcps = [GroundControlPoint(row, col, -60 + col / 100, 15 - row / 100) for row, col in ((0, 0), (0, 89), (69, 0))]
+    transform = from_origin(300, 900, 30, 30)
+    for name, georeferencing in (("plain", {}), ("gcps", dict(gcps=gcps, crs="EPSG:4326")),
+                                 ("transform", dict(transform=transform))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", rasterio.errors.NotGeoreferencedWarning)
+            with rasterio.open(tmp_path / "in" / f"{name}.tif", "w", **profile, **georeferencing) as scene:
+                scene.write(image.transpose(2, 0, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out",
+                           tmp_path / "out", "--tile", 64, 96, *options) == 0
+    assert not [w for w in caught if issubclass(w.category, rasterio.errors.NotGeoreferencedWarning)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rasterio.errors.NotGeoreferencedWarning)
+        maps = {name: rasterio.open(tmp_path / "out" / f"{name}.tif") for name in ("plain", "gcps", "transform")}
+    with contextlib.ExitStack() as open_maps:
+        for out in maps.values():
+            open_maps.enter_context(out)
+            assert out.crs is None and out.shape == (70, 90)
+            assert np.array_equal(out.read(5), image[..., 0] > 128)  # the Fish mask, where the scene's red is
+        assert maps["plain"].transform.is_identity and maps["plain"].gcps == ([], None)
+        assert maps["transform"].transform == transform and maps["transform"].gcps == ([], None)
+        written, gcp_crs = maps["gcps"].gcps
+        assert gcp_crs.to_epsg() == 4326 and [(p.row, p.col, p.x, p.y) for p in written] == [
+            (p.row, p.col, p.x, p.y) for p in gcps]
 
 
 def test_no_data_is_not_counted_as_clear_sky(tiny_ensemble, tmp_path, monkeypatch):

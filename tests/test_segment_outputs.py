@@ -116,10 +116,10 @@ def file_size_limit():
 
 
 def bare_scene(tmp_path, height=150, width=230):
-    """A scene of only the four fields geotiff_writer reads, and the path of its map in `tmp_path`."""
+    """A scene of only the five fields geotiff_writer reads, and the path of its map in `tmp_path`."""
     scene = geo.GeoTiffScene.__new__(geo.GeoTiffScene)
     scene.height, scene.width = height, width
-    scene.crs, scene.transform = "EPSG:4326", rasterio.Affine(0.1, 0, 0, 0, -0.1, 0)
+    scene.crs, scene.transform, scene.gcps = "EPSG:4326", rasterio.Affine(0.1, 0, 0, 0, -0.1, 0), ([], None)
     return scene, tmp_path / "map.tif"
 
 
