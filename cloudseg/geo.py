@@ -272,7 +272,8 @@ def output_bands(probs: torch.Tensor, valid: torch.Tensor, thresholds) -> tuple[
     threshold × 255; NODATA (255) in every band where the scene had no data. The counts: the valid
     pixels, then each class's mask pixels among them. `probs` (4×n×W float32) and `valid` (n×W
     bool) stay where they are: on a CUDA device the bands and counts are made there and copied
-    (one host sync), on the CPU OpenCV makes them (one vectorised pass each, 8× NumPy's speed)."""
+    (one host sync), on the CPU OpenCV makes them (one vectorised pass each, 8× NumPy's speed; torch
+    those of a single pixel)."""
     return output_bands_soon(probs, valid, thresholds)()
 
 
@@ -283,7 +284,7 @@ def output_bands_soon(probs: torch.Tensor, valid: torch.Tensor, thresholds) -> C
     a thread that writes rows need not wait for the model's next batches too. On the CPU the
     function does OpenCV's work itself, in the thread that calls it, reading `probs` and `valid` then."""
     above = [math.floor(threshold * 255) for threshold in thresholds]  # q > t·255 ⇔ q > ⌊t·255⌋ for integers q
-    if probs.device.type == "cpu":
+    if probs.device.type == "cpu" and valid.numel() > 1:  # OpenCV takes a 1×1 array for a scalar, and refuses it
         return functools.partial(_output_bands_opencv, probs.numpy(), valid.numpy(), above)
     return _output_bands_torch(probs, valid, above)
 

@@ -414,6 +414,25 @@ def test_output_bands_are_the_same_on_every_device_and_as_the_rule_says(threshol
         assert counts.tolist() == expected_counts, name
 
 
+def test_scenes_one_pixel_wide_are_mapped(tiny_ensemble, tmp_path, monkeypatch):
+    """CPU: a GeoTIFF 33×1 (its last piece of ENCODE_ROWS rows a single pixel), one 1×1 and a 1×1
+    PNG. Would catch: OpenCV's refusal of a 1×1 band (it takes a 1×1 array for a scalar: "Sizes
+    of input arguments do not match") failing the scene, or a wrong mask for it."""
+    checkpoint, _ = tiny_ensemble
+    (tmp_path / "in").mkdir()
+    column = np.full((33, 1, 3), 60, np.uint8)  # grey: data (black would be none), no Fish
+    column[::2, 0, 0] = 200  # red on every other row: Fish there
+    write_geotiff(tmp_path / "in" / "column.tif", column)
+    write_geotiff(tmp_path / "in" / "dot.tif", column[:1])
+    cv2.imwrite(str(tmp_path / "in" / "spot.png"), column[:1, :, ::-1])  # OpenCV writes BGR
+    assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
+                       "--tile", 64, 96) == 0
+    for name, rows in (("column", 33), ("dot", 1)):
+        with rasterio.open(tmp_path / "out" / f"{name}.tif") as out:
+            assert np.array_equal(out.read(5)[:, 0], np.arange(rows) % 2 == 0), name
+    assert json.loads((tmp_path / "out" / "spot.json").read_text())["Fish"] == 1.0
+
+
 def test_rows_come_to_the_host_behind_an_event_of_their_own_not_the_stream(fake_cuda, monkeypatch):
     """CPU, a fake GPU (FakeTensorMode's CUDA tensors, tests/fake_cuda.py's streams and events,
     the sync debug mode at "error"): geo.to_host_soon queues copies into pinned memory and records
