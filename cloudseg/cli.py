@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cloudseg: error: {one_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (in training, a second one): what the command had written is whole or gone
+        if args.debug:
+            raise
+        print("cloudseg: interrupted", file=sys.stderr)
+        return 130
 
 
 def entry() -> None:

@@ -915,6 +915,29 @@ def test_memory_does_not_grow_with_the_scene(tiny_ensemble, tmp_path):
 # ---------------------------------------------------------------------------------- bad input
 
 
+def test_ctrl_c_is_one_line_and_leaves_no_map_of_the_scene_it_stopped(tiny_ensemble, tmp_path, monkeypatch, capsys):
+    """CPU, a KeyboardInterrupt (Ctrl-C) from the model in the second scene's second batch. Would
+    catch: a traceback for the user (38 lines), an exit status other than 130 (128 + SIGINT, as
+    shells and training say), the second scene's map or a temporary of it left behind, or the
+    first scene's outputs lost."""
+    checkpoint, _ = tiny_ensemble
+    (tmp_path / "in").mkdir()
+    for name in ("a", "b"):
+        write_geotiff(tmp_path / "in" / f"{name}.tif", smooth_scene(150, 230))
+    calls = []
+
+    def interrupted_in_the_second_scene(images):
+        calls.append(len(images))
+        if len(calls) == 5:  # 9 windows a scene in batches of 4, 4 and 1: the second scene's second batch
+            raise KeyboardInterrupt
+        return pixelwise(images)
+
+    assert run_segment(monkeypatch, interrupted_in_the_second_scene, tmp_path / "in", "predict.batch_size=4",
+                       "--checkpoint", checkpoint, "--out", tmp_path / "out", "--tile", 64, 96) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["cloudseg: interrupted"]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["a.json", "a.tif"]
+
+
 def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_path, capsys):
     """CPU. Would catch: a bad scene stopping the job or failing silently, a message without
     the file, an exit status that hides failures, a half-written output left behind, and a
