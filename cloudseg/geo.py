@@ -61,9 +61,10 @@ def geo_module(name: str):
 class ImageScene:
     """A JPEG or PNG scene, decoded whole (neither format can be read by windows): on the GPU
     where `device` is one and the scene a JPEG (nvJPEG, stream-safe as training's decode), else
-    by OpenCV. `pixels` is 3×H×W uint8 RGB on that device."""
+    by OpenCV. `pixels` is 3×H×W uint8 RGB on that device; `mask` the H×W valid pixels of a PNG
+    with an alpha channel (not transparent: a GeoTIFF's alpha band likewise), else None."""
 
-    crs = transform = None
+    crs = transform = mask = None
     tags: dict = {}
     block_rows = 1  # held whole: any rows are read alike
 
@@ -72,8 +73,13 @@ class ImageScene:
         jpeg = path.suffix.lower() in (".jpg", ".jpeg")
         if jpeg and torch.device(device).type == "cuda":
             self.pixels = decode_jpegs([torch.from_numpy(read_jpeg_bytes(path))], [str(path)], torch.device(device))[0]
+        elif jpeg:
+            self.pixels = torch.from_numpy(read_image(path)).permute(2, 0, 1)
         else:
-            self.pixels = torch.from_numpy(read_image(path) if jpeg else read_png(path)).permute(2, 0, 1)
+            rgb, alpha = read_png(path)
+            self.pixels = torch.from_numpy(rgb).permute(2, 0, 1)
+            if alpha is not None:
+                self.mask = torch.from_numpy(alpha > 0)
         self.height, self.width = self.pixels.shape[1:]
 
     @property
@@ -86,24 +92,26 @@ class ImageScene:
         return self.pixels.device
 
     def read(self, top: int, left: int, height: int, width: int,
-             out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The window's 3×h×w uint8 RGB pixels (a view, on the scene's device; copied into `out`
-        and returned as it, where given) and no mask of the file's own (no-data is black, see
-        `segment`)."""
+        and returned as it, where given) and the window of `mask` (None without one: then no-data
+        is black alone, see `segment`)."""
         pixels = self.pixels[:, top:top + height, left:left + width]
-        return (pixels if out is None else out.copy_(pixels)), None
+        mask = None if self.mask is None else self.mask[top:top + height, left:left + width]
+        return (pixels if out is None else out.copy_(pixels)), mask
 
     def close(self) -> None:
         pass
 
 
-def read_png(path: Path) -> np.ndarray:
-    """An 8-bit RGB PNG as H×W×3 uint8 RGB; other kinds are refused with what to do."""
+def read_png(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """An 8-bit RGB PNG as H×W×3 uint8 RGB, and its H×W alpha channel where it has one (else None);
+    other kinds are refused with what to do."""
     image = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
     if image is None:
         raise ValueError(f"{path}: corrupt or unreadable PNG")
     check_pixels(path, 1 if image.ndim == 2 else image.shape[2], image.dtype)
-    return cv2.cvtColor(image[..., :3], cv2.COLOR_BGR2RGB)
+    return cv2.cvtColor(image[..., :3], cv2.COLOR_BGR2RGB), image[..., 3].copy() if image.shape[2] == 4 else None
 
 
 def check_pixels(path: Path, bands: int, dtype) -> None:

@@ -604,8 +604,9 @@ def test_a_scene_without_a_crs_keeps_what_georeferencing_it_has(tiny_ensemble, t
 
 def test_no_data_is_not_counted_as_clear_sky(tiny_ensemble, tmp_path, monkeypatch):
     """CPU. A map that is Fish wherever there are data: the Fish fraction is 1 however much of
-    the scene has none (a GeoTIFF's nodata, a PNG's black band). Would catch: no-data pixels
-    counted as valid pixels without clouds (fractions 0.7 and 0.6 here)."""
+    the scene has none (a GeoTIFF's nodata, a PNG's black band, a PNG's transparent pixels, as a
+    GeoTIFF's alpha band). Would catch: no-data pixels counted as valid pixels without clouds
+    (fractions 0.7, 0.6 and 0.8 here), or a PNG's alpha channel ignored."""
     checkpoint, _ = tiny_ensemble
     image = np.full((100, 150, 3), 200, np.uint8)
     (tmp_path / "in").mkdir()
@@ -614,11 +615,15 @@ def test_no_data_is_not_counted_as_clear_sky(tiny_ensemble, tmp_path, monkeypatc
     png[:, :60] = 0
     write_geotiff(tmp_path / "in" / "a.tif", geotiff, nodata=9)
     cv2.imwrite(str(tmp_path / "in" / "b.png"), png)
+    transparent = np.dstack([image, np.full((100, 150), 255, np.uint8)])
+    transparent[80:, :, 3] = 0  # the bottom 20 rows: no data, though bright red
+    cv2.imwrite(str(tmp_path / "in" / "c.png"), transparent)
     assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
                        "--tile", 64, 96) == 0
     fractions = {r["name"]: r for r in map(json.loads, map(Path.read_text, (tmp_path / "out").glob("*.json")))}
     assert fractions["a.tif"]["valid_pixels"] == 70 * 150 and fractions["a.tif"]["Fish"] == 1.0
     assert fractions["b.png"]["valid_pixels"] == 100 * 90 and fractions["b.png"]["Fish"] == 1.0
+    assert fractions["c.png"]["valid_pixels"] == 80 * 150 and fractions["c.png"]["Fish"] == 1.0
     masks = cv2.imread(str(tmp_path / "out" / "b_masks.png"), cv2.IMREAD_UNCHANGED)
     assert (masks[:, :60] == 255).all() and (masks[:, 60:] == 15).all()  # no-data; all four class bits
 
