@@ -245,12 +245,17 @@ def check_time_pattern(pattern: str) -> None:
 
 
 def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.datetime64 | None:
-    """The scene's time: the file's TIFFTAG_DATETIME (YYYY:MM:DD HH:MM:SS) when it has one, else
-    the first match of `pattern` in the file name (named groups year, month, day and optionally
-    hour, minute; or year and doy, the day of the year as in MODIS names A2020032); else None."""
-    stamp = tags.get("TIFFTAG_DATETIME")
+    """The scene's time: the file's TIFFTAG_DATETIME (YYYY:MM:DD HH:MM:SS) when it has one, not
+    blank, else the first match of `pattern` in the file name (named groups year, month, day and
+    optionally hour, minute; or year and doy, the day of the year as in MODIS names A2020032); else None."""
+    stamp = (tags.get("TIFFTAG_DATETIME") or "").strip()
     if stamp:
-        return np.datetime64(datetime.datetime.strptime(stamp.strip(), "%Y:%m:%d %H:%M:%S"), "s")
+        try:
+            return np.datetime64(datetime.datetime.strptime(stamp, "%Y:%m:%d %H:%M:%S"), "s")
+        except ValueError:
+            raise ValueError(f"its TIFFTAG_DATETIME {stamp!r} is not a time as TIFF writes one (YYYY:MM:DD HH:MM:SS): "
+                             "set it so, or blank it (gdal_edit.py -mo TIFFTAG_DATETIME= FILE) to take the time "
+                             "from the name") from None
     match = re.search(pattern, path.name)
     if not match:
         return None
