@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -71,6 +73,13 @@ def new_hidden_file(path: Path) -> Path:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     return tmp
+
+
+def left_behind(path: Path) -> list[Path]:
+    """The temporaries `new_hidden_file` made beside `path` that are still there: a killed process's
+    (nothing else removes them), or one writing `path` now."""
+    name = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{16}}\.tmp")
+    return [tmp for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp") if name.fullmatch(tmp.name)]
 
 
 def fsync(path: Path, flags: int = os.O_RDONLY) -> None:

@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from cloudseg import distributed, geo
-from cloudseg.files import atomic_path, new_hidden_file, published_together, remove
+from cloudseg.files import atomic_path, left_behind, new_hidden_file, published_together, remove
 from cloudseg.hardware import resolve_device, usable_cores
 from cloudseg.predict import Ensemble, ensemble_native, load_ensemble, no_data
 from cloudseg.stages import StageClock
@@ -431,6 +431,9 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
             finish = segment_scene(path, out_dir, ensemble, options, clock, writer)
         return finish
     clock, lane = clock or StageClock(), writer.lane()
+    for output in scene_outputs(out_dir, path):
+        for tmp in left_behind(output):  # a killed run's: no other process maps this scene
+            tmp.unlink(missing_ok=True)
     try:
         with geo.open_scene(path, ensemble.device) as scene:
             when = geo.scene_time(path, scene.tags, options.time_pattern)  # its error before any work, not after
@@ -669,6 +672,12 @@ def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock
 
 def done_file(out_dir: Path, path: Path) -> Path:
     return out_dir / f"{path.stem}.json"
+
+
+def scene_outputs(out_dir: Path, path: Path) -> list[Path]:
+    """Every file that mapping the scene at `path` may write into `out_dir` (a GeoTIFF's map, or a
+    JPEG's or PNG's two PNGs, and NAME.json)."""
+    return [out_dir / f"{path.stem}{end}" for end in (".tif", "_masks.png", "_overlay.png")] + [done_file(out_dir, path)]
 
 
 # ---------------------------------------------------------------------------------- many scenes

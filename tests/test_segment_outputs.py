@@ -268,6 +268,26 @@ def test_a_rerun_stopped_before_its_record_leaves_the_scene_to_map_again(tiny_en
     assert json.loads((out / "scene.json").read_text())["made_with"]["overlap"] == 0.25
 
 
+def test_a_killed_run_s_temporaries_of_a_scene_go_when_it_is_mapped_again(tiny_ensemble, scene_dir, tmp_path,
+                                                                          monkeypatch):
+    """CPU, the hidden temporaries a SIGKILL leaves (files.new_hidden_file's names) beside a
+    scene's map and NAME.json, and others' beside them. Would catch: a killed run's temporaries
+    left for good (a map's size each: nothing else removes them), or another scene's (ab.tif,
+    maybe being written by another process), a name that only starts like one, or a file of the
+    user's removed."""
+    checkpoint, _ = tiny_ensemble
+    out = tmp_path / "out"
+    out.mkdir()
+    killed = [".scene.tif.0123456789abcdef.tmp", ".scene.json.fedcba9876543210.tmp"]
+    others = [".sceneb.tif.0123456789abcdef.tmp", ".scene.tif.x_masks.png.0123456789abcdef.tmp",
+              ".scene.tif.notes.tmp", "scene.tif.0123456789abcdef.tmp"]
+    for name in killed + others:
+        (out / name).write_bytes(b"half a map")
+    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", out,
+                       "--tile", 64, 96) == 0
+    assert sorted(path.name for path in out.iterdir()) == sorted(others + ["fractions.csv", "scene.json", "scene.tif"])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_whole_strips_write_every_row_once_in_whole_strips(monkeypatch, seed):
     """CPU. Would catch: releases written as they come (a strip written in part), held rows lost or
