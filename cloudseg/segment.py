@@ -720,6 +720,8 @@ def check_writable(out_dir: Path, scenes: list[Path]) -> None:
         if path.parent.resolve() == out_dir.resolve():
             raise ValueError(f"{path}: --out is its folder, where its maps would replace it or be taken for scenes "
                              "by a rerun: choose another --out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir}: --out is a file, not a folder")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         new_hidden_file(out_dir / "write-check").unlink()

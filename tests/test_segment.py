@@ -976,13 +976,15 @@ def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_pa
 def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny_ensemble, tmp_path, capsys):
     """CPU. Would catch: a traceback, or a job that maps scenes it cannot write, blends models
     trained on other input sizes, overwrites a GeoTIFF scene with its map, or finds no scene and
-    says nothing."""
+    says nothing; an --out that is a file told as "not writable (File exists)"."""
     checkpoint, _ = tiny_ensemble
     scenes = write_pngs(tmp_path / "in", 1)
     (tmp_path / "file").write_text("")
     assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "file" / "out")]) == 2
     assert capsys.readouterr().err.strip() == (f"cloudseg: error: {tmp_path / 'file' / 'out'}: output folder is not "
                                                "writable (Not a directory)")
+    assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err.strip() == f"cloudseg: error: {tmp_path / 'file'}: --out is a file, not a folder"
     other = write_tiny_checkpoint(tmp_path / "other" / "best.pt", image_size=(128, 192))
     assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--checkpoint", str(other), "--out",
                  str(tmp_path / "out"), "--postprocess", "none", "--device", "cpu"]) == 2
