@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
-import glob
 import os
 import re
 import secrets
@@ -75,11 +75,17 @@ def new_hidden_file(path: Path) -> Path:
     return tmp
 
 
-def left_behind(path: Path) -> list[Path]:
-    """The temporaries `new_hidden_file` made beside `path` that are still there: a killed process's
-    (nothing else removes them), or one writing `path` now."""
-    name = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{16}}\.tmp")
-    return [tmp for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp") if name.fullmatch(tmp.name)]
+HIDDEN_FILE = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{16}\.tmp")  # new_hidden_file's names
+
+
+def left_behind(paths: list[Path]) -> list[Path]:
+    """The temporaries `new_hidden_file` made beside any of `paths` that are still there: a killed
+    process's (nothing else removes them), or one writing that path now. Each folder listed once."""
+    wanted = collections.defaultdict(set)
+    for path in paths:
+        wanted[Path(path).parent].add(Path(path).name)
+    return [entry for folder, names in wanted.items() if folder.is_dir() for entry in folder.iterdir()
+            if (match := HIDDEN_FILE.fullmatch(entry.name)) and match["name"] in names]
 
 
 def fsync(path: Path, flags: int = os.O_RDONLY) -> None:

@@ -431,9 +431,6 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
             finish = segment_scene(path, out_dir, ensemble, options, clock, writer)
         return finish
     clock, lane = clock or StageClock(), writer.lane()
-    for output in scene_outputs(out_dir, path):
-        for tmp in left_behind(output):  # a killed run's: no other process maps this scene
-            tmp.unlink(missing_ok=True)
     try:
         with geo.open_scene(path, ensemble.device) as scene:
             when = geo.scene_time(path, scene.tags, options.time_pattern)  # its error before any work, not after
@@ -780,6 +777,8 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
     then the summaries. Its log lines give the rate over the scenes alone (loading apart; a
     compile, the first batch's, included), then the seconds of each stage (`stages.StageClock`)."""
     mine = my_share(scenes)
+    for tmp in left_behind([output for path in mine for output in scene_outputs(out_dir, path)]):
+        tmp.unlink(missing_ok=True)  # a killed call's, of this process's scenes: no other maps them
     todo = [path for path in mine if not is_done(out_dir, path, options)]
     failed, start, pixels, clock = [], time.perf_counter(), 0, clock or StageClock()
 

@@ -271,10 +271,11 @@ def test_a_rerun_stopped_before_its_record_leaves_the_scene_to_map_again(tiny_en
 def test_a_killed_run_s_temporaries_of_a_scene_go_when_it_is_mapped_again(tiny_ensemble, scene_dir, tmp_path,
                                                                           monkeypatch):
     """CPU, the hidden temporaries a SIGKILL leaves (files.new_hidden_file's names) beside a
-    scene's map and NAME.json, and others' beside them. Would catch: a killed run's temporaries
-    left for good (a map's size each: nothing else removes them), or another scene's (ab.tif,
-    maybe being written by another process), a name that only starts like one, or a file of the
-    user's removed."""
+    scene's map and NAME.json, and others' beside them; then one beside the map of a scene done
+    (a call with other options killed, its NAME.json still the first's). Would catch: a killed
+    run's temporaries left for good (a map's size each: nothing else removes them), those of a
+    scene counted as done kept, or another scene's (sceneb.tif, maybe being written by another
+    process), a name that only starts like one, or a file of the user's removed."""
     checkpoint, _ = tiny_ensemble
     out = tmp_path / "out"
     out.mkdir()
@@ -286,6 +287,10 @@ def test_a_killed_run_s_temporaries_of_a_scene_go_when_it_is_mapped_again(tiny_e
     assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", out,
                        "--tile", 64, 96) == 0
     assert sorted(path.name for path in out.iterdir()) == sorted(others + ["fractions.csv", "scene.json", "scene.tif"])
+    (out / killed[0]).write_bytes(b"half a map")
+    assert run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", out,
+                       "--tile", 64, 96) == 0  # done: not mapped again
+    assert not (out / killed[0]).exists()
 
 
 @pytest.mark.parametrize("seed", range(4))
