@@ -450,13 +450,12 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
         raise
 
     def finish() -> dict:
-        # a NAME.json here is another run's (this one's would have skipped the scene), of the maps about to be
-        # replaced: gone first, an interrupted or failed finish leaves the scene to map again, not that record
-        # beside these maps, or beside none
-        remove(done_file(out_dir, path))
         with published_together() as published:  # nothing of a failed scene left: its maps go with NAME.json
             with clock("write"):
-                published += close()
+                # a NAME.json here is another call's (this one's would have skipped the scene), of maps these
+                # replace: gone before them, so that a finish stopped after leaves the scene to map again, not
+                # that record beside these maps or beside none
+                published += close(replacing=lambda: remove(done_file(out_dir, path)))
             record = {**counts.record(path.name, when), **map_record(options, path)}
             with atomic_path(done_file(out_dir, path)) as tmp:
                 tmp.write_text(json.dumps(record))
@@ -577,10 +576,10 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
     here as each band comes) and write the outputs of `options` into the GeoTIFF `out` as they come,
     in `writer`'s thread (the writes in `lane`'s, if any) while the model works on the next ones: a
     band at a time, in its `pieces_soon`.
-    Returns what finishes the file there (the last blocks compressed, a COG copied, the temporary
-    file renamed: it returns [out]) or, after a failed write, removes it and raises that write's
-    error. A failed write stops the mapping at the next rows; an error of the mapping removes the
-    file here."""
+    Returns what finishes the file there (`replacing()` once every row is written, then the last
+    blocks compressed, a COG copied, the temporary file renamed: it returns [out]) or, after a
+    failed write, removes it and raises that write's error. A failed write stops the mapping at
+    the next rows; an error of the mapping removes the file here."""
     clock, failed = writer.clock, []  # failed: the first write's error, from the writer's or the lane's thread
 
     def encode(pieces):
@@ -610,11 +609,12 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
         except BaseException as error:  # noqa: BLE001 -- as in encode
             failed.append(error)
 
-    def close():
+    def close(replacing: Callable[[], None]):
         if not failed:
             try:
                 strips.check_complete()
-            except RuntimeError as error:
+                replacing()
+            except BaseException as error:  # noqa: BLE001 -- as in encode
                 failed.append(error)
         if failed:
             removed(failed[0])
@@ -648,7 +648,8 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
 
 def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock: StageClock):
     """Gather the masks of a JPEG or PNG scene (held whole anyway); returns what writes
-    STEM_masks.png and STEM_overlay.png (in the writer's thread), both or neither, and returns them."""
+    STEM_masks.png and STEM_overlay.png (in the writer's thread), both or neither, `replacing()`
+    first, and returns them."""
     masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
     for top, probs, valid in rows:
         with clock("encode"):
@@ -656,9 +657,10 @@ def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock
         masks[:, top:top + bands.shape[1]] = bands[len(LABELS):]
         counts.add(top, bands, pixel_counts)
 
-    def write_pngs() -> list[Path]:
+    def write_pngs(replacing: Callable[[], None]) -> list[Path]:
         valid = masks[0] != geo.NODATA
         masks[:, ~valid] = 0
+        replacing()
         with published_together() as published:
             published.append(geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid)))
             published.append(geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks)))

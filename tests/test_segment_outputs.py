@@ -268,6 +268,37 @@ def test_a_rerun_stopped_before_its_record_leaves_the_scene_to_map_again(tiny_en
     assert json.loads((out / "scene.json").read_text())["made_with"]["overlap"] == 0.25
 
 
+@pytest.mark.parametrize("failing", ["last rows", "removing the record"])
+def test_a_rerun_that_fails_before_its_map_replaces_the_old_keeps_the_old_map_and_record(
+        tiny_ensemble, scene_dir, tmp_path, monkeypatch, failing):
+    """CPU, a scene mapped, then mapped again with another --overlap whose finish fails before its
+    map is renamed into place: its last rows found missing, or the old NAME.json not removable.
+    Would catch: the old NAME.json removed before the new map was known whole (the old map,
+    still there, left without its record and out of fractions.csv), or, where its removal fails,
+    the new map's temporary left in --out (the writer never closed)."""
+    checkpoint, _ = tiny_ensemble
+    out = tmp_path / "out"
+
+    def mapped(*options):
+        return run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", out,
+                           "--tile", 64, 96, "--postprocess", "none", *options)
+
+    assert mapped() == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+
+    def fails(*args):
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        if failing == "last rows":
+            patched.setattr(geo.WholeStrips, "check_complete", lambda strips: fails())
+        else:
+            patched.setattr(segment_module, "remove", fails)
+        assert mapped("--overlap", 0.5) == 1
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.name != "fractions.csv"} == {
+        name: data for name, data in before.items() if name != "fractions.csv"}
+
+
 def test_a_killed_run_s_temporaries_of_a_scene_go_when_it_is_mapped_again(tiny_ensemble, scene_dir, tmp_path,
                                                                           monkeypatch):
     """CPU, the hidden temporaries a SIGKILL leaves (files.new_hidden_file's names) beside a
