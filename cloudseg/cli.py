@@ -402,7 +402,7 @@ def run_segment(args) -> int:
                              args.grid, args.time_pattern or TIME_PATTERN, tuple(args.outputs.split(",")),
                              (DEFAULT_CODEC if args.compress is None else args.compress).lower(), args.cog)
     failed = segment(scenes, args.checkpoint, args.out, options, postprocess_file=args.postprocess,
-                     overrides=overrides, device=args.device)
+                     overrides=overrides, device=args.device, tracebacks=args.debug)
     return min(failed, 100)  # the exit status: how many scenes failed (100 for 100 or more)
 
 

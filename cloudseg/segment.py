@@ -36,6 +36,7 @@ import math
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -730,25 +731,28 @@ def check_writable(out_dir: Path, scenes: list[Path]) -> None:
 
 def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, options: SegmentOptions = SegmentOptions(),
             *, postprocess_file: str | None = None, overrides: list[str] = (), device: str = "auto",
-            clock: StageClock | None = None) -> int:
+            clock: StageClock | None = None, tracebacks: bool = False) -> int:
     """Map every scene of `sources` (this process's share under torchrun) into `out_dir` with the
     checkpoints' ensemble (loaded as `predict` loads it: `postprocess_file`, `overrides`, `device`),
     skipping scenes already done (`clock`, if given, gets each stage's seconds); then one process writes fractions.csv (and grid.nc with a grid).
-    A bad scene is one line on stderr naming it; the others go on. Returns the number that failed."""
+    A bad scene is one line on stderr naming it (after its traceback, with `tracebacks`); the others
+    go on. Returns the number that failed."""
     out_dir, scenes = Path(out_dir), find_scenes(sources)
     options.check(geotiffs=any(geo.is_geotiff(path) for path in scenes))
     logging.getLogger("rasterio").setLevel(logging.CRITICAL)  # GDAL's errors reach the user as the scene's one line
-    # a scene without georeferencing is mapped as a JPEG is, without: rasterio's warnings at each open would be stray lines
-    warnings.filterwarnings("ignore", message="(Dataset has no geotransform|The given matrix is equal to Affine.identity)")
     check_writable(out_dir, scenes)
-    start = time.perf_counter()
-    ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)),
-                             work_pixels=pixels_to_map(scenes, out_dir, options))
-    log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
-             human_duration(time.perf_counter() - start))
-    options = replace(options, tile=window_size(ensemble, options.tile, checkpoints[0]))
-    return segment_scenes(scenes, ensemble, out_dir, replace(options, made_with=maps_made_with(ensemble, options)),
-                          clock=clock)
+    with warnings.catch_warnings():
+        # a scene without georeferencing is mapped as a JPEG is, without: rasterio's warning at each open would be a
+        # stray line
+        warnings.filterwarnings("ignore", message="(Dataset has no geotransform|The given matrix is equal to Affine.identity)")
+        start = time.perf_counter()
+        ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)),
+                                 work_pixels=pixels_to_map(scenes, out_dir, options))
+        log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
+                 human_duration(time.perf_counter() - start))
+        options = replace(options, tile=window_size(ensemble, options.tile, checkpoints[0]))
+        return segment_scenes(scenes, ensemble, out_dir, replace(options, made_with=maps_made_with(ensemble, options)),
+                              clock=clock, tracebacks=tracebacks)
 
 
 def maps_made_with(ensemble: Ensemble, options: SegmentOptions) -> dict:
@@ -774,10 +778,11 @@ def pixels_to_map(scenes: list[Path], out_dir: Path, options: SegmentOptions) ->
 
 
 def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, options: SegmentOptions, *,
-                   clock: StageClock | None = None) -> int:
+                   clock: StageClock | None = None, tracebacks: bool = False) -> int:
     """`segment` with the ensemble loaded and `options.tile` set: this process's share of `scenes`,
     then the summaries. Its log lines give the rate over the scenes alone (loading apart; a
-    compile, the first batch's, included), then the seconds of each stage (`stages.StageClock`)."""
+    compile, the first batch's, included), then the seconds of each stage (`stages.StageClock`).
+    With `tracebacks`, each failed scene's traceback before its line."""
     mine = my_share(scenes)
     for tmp in left_behind([output for path in mine for output in scene_outputs(out_dir, path)]):
         tmp.unlink(missing_ok=True)  # a killed call's, of this process's scenes: no other maps them
@@ -786,6 +791,8 @@ def segment_scenes(scenes: list[Path], ensemble: Ensemble, out_dir: Path, option
 
     def fail(path: Path, error: BaseException) -> None:
         failed.append(str(path))
+        if tracebacks:  # cloudseg --debug: a bug's, or GDAL's, where it was raised
+            traceback.print_exception(error, file=sys.stderr)
         tqdm.write(f"cloudseg segment: {scene_error(path, error)}", file=sys.stderr)
 
     finishing = []  # (scene, the future of its finish, in the writer's thread while the next scene is mapped)

@@ -567,7 +567,8 @@ def test_a_scene_without_a_crs_keeps_what_georeferencing_it_has(tiny_ensemble, t
     through our writer (ZSTD), GDAL's and the COG copy. Would catch: such a scene failing with the
     default codec alone ("CRS is invalid: None", raised where the map's CRS was set to None), a
     GCP-only scene's map without its GCPs (its georeferencing lost), a transform dropped, or
-    rasterio's NotGeoreferencedWarning reaching the user as stray lines."""
+    rasterio's NotGeoreferencedWarning reaching the user as stray lines, or kept from a library
+    caller after segment returns."""
     from rasterio.control import GroundControlPoint
 
     checkpoint, _ = tiny_ensemble
@@ -586,7 +587,9 @@ def test_a_scene_without_a_crs_keeps_what_georeferencing_it_has(tiny_ensemble, t
         warnings.simplefilter("always")
         assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out",
                            tmp_path / "out", "--tile", 64, 96, *options) == 0
-    assert not [w for w in caught if issubclass(w.category, rasterio.errors.NotGeoreferencedWarning)]
+        assert not [w for w in caught if issubclass(w.category, rasterio.errors.NotGeoreferencedWarning)]
+        rasterio.open(tmp_path / "in" / "plain.tif").close()  # the caller's own open, after segment: warned
+        assert [w for w in caught if issubclass(w.category, rasterio.errors.NotGeoreferencedWarning)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", rasterio.errors.NotGeoreferencedWarning)
         maps = {name: rasterio.open(tmp_path / "out" / f"{name}.tif") for name in ("plain", "gcps", "transform")}
@@ -945,8 +948,8 @@ def test_ctrl_c_is_one_line_and_leaves_no_map_of_the_scene_it_stopped(tiny_ensem
 
 def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_path, capsys):
     """CPU. Would catch: a bad scene stopping the job or failing silently, a message without
-    the file, an exit status that hides failures, a half-written output left behind, and a
-    scene smaller than a window refused (it is mapped as one window)."""
+    the file, an exit status that hides failures, a half-written output left behind, a scene
+    smaller than a window refused (it is mapped as one window), or --debug showing no traceback."""
     checkpoint, _ = tiny_ensemble
     scenes = write_pngs(tmp_path / "in", 1)
     cv2.imwrite(str(scenes / "small.png"), smooth_scene(20, 30))
@@ -971,6 +974,10 @@ def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_pa
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         ["fractions.csv", "scene00.json", "scene00_masks.png", "scene00_overlay.png", "small.json", "small_masks.png",
          "small_overlay.png"])  # nothing of the bad scenes, no temporary file
+    assert main(["--debug", "segment", str(scenes / "grey.png"), "--checkpoint", str(checkpoint), "--out",
+                 str(tmp_path / "out"), "--device", "cpu"]) == 1
+    error = capsys.readouterr().err  # --debug: the scene's traceback, then its line
+    assert error.startswith("Traceback (most recent call last):") and messages["grey.png"] in error.splitlines()
 
 
 def test_an_unwritable_output_folder_or_mismatched_checkpoints_are_one_line(tiny_ensemble, tmp_path, capsys):

@@ -323,7 +323,8 @@ def test_a_scene_s_error_of_any_class_while_mapped_is_its_own(tiny_ensemble, sce
                                                               error):
     """CPU, a's mapping stopped by an error of a class cloudseg does not raise itself. Would catch:
     the whole call stopped by it (b and c unmapped, no fractions.csv; under torchrun the other
-    processes left waiting for this one's counts), or a line that does not say which error it was."""
+    processes left waiting for this one's counts), a line that does not say which error it was,
+    or no traceback under cloudseg --debug (a bug in segment told by one line alone)."""
     _, ensemble = tiny_ensemble
     real = segment_module.blended_rows
 
@@ -335,9 +336,15 @@ def test_a_scene_s_error_of_any_class_while_mapped_is_its_own(tiny_ensemble, sce
     monkeypatch.setattr(segment_module, "blended_rows", failing_for_a)
     assert segment_module.segment_scenes(scenes, counting(ensemble, []), tmp_path / "out", OPTIONS) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"cloudseg segment: {scenes[0]}: {type(error).__name__}" + (f": {error}" if str(error) else "")]
+    line = f"cloudseg segment: {scenes[0]}: {type(error).__name__}" + (f": {error}" if str(error) else "")
+    assert lines == [line]
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["b.json", "b.tif", "c.json", "c.tif",
                                                                          "fractions.csv"]
+    # cloudseg --debug: its traceback too, from where it was raised, then the same line
+    assert segment_module.segment_scenes(scenes[:1], counting(ensemble, []), tmp_path / "again", OPTIONS,
+                                         tracebacks=True) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and "in failing_for_a" in "".join(lines) and lines[-1] == line
 
 
 @pytest.mark.parametrize("failing", ["a_overlay.png", "a.json"])
