@@ -245,11 +245,12 @@ def check_time_pattern(pattern: str) -> None:
 
 
 def scene_time(path: Path, tags: dict, pattern: str = TIME_PATTERN) -> np.datetime64 | None:
-    """The scene's time: the file's TIFFTAG_DATETIME (YYYY:MM:DD HH:MM:SS) when it has one, not
-    blank, else the first match of `pattern` in the file name (named groups year, month, day and
-    optionally hour, minute; or year and doy, the day of the year as in MODIS names A2020032); else None."""
+    """The scene's time: the file's TIFFTAG_DATETIME (YYYY:MM:DD HH:MM:SS) when it has one with a
+    digit (TIFF's "unknown" is its blanks and colons alone), else the first match of `pattern` in
+    the file name (named groups year, month, day and optionally hour, minute; or year and doy, the
+    day of the year as in MODIS names A2020032); else None."""
     stamp = (tags.get("TIFFTAG_DATETIME") or "").strip()
-    if stamp:
+    if any(character.isdigit() for character in stamp):
         try:
             return np.datetime64(datetime.datetime.strptime(stamp, "%Y:%m:%d %H:%M:%S"), "s")
         except ValueError:

@@ -609,7 +609,8 @@ def test_no_data_is_not_counted_as_clear_sky(tiny_ensemble, tmp_path, monkeypatc
     """CPU. A map that is Fish wherever there are data: the Fish fraction is 1 however much of
     the scene has none (a GeoTIFF's nodata, a PNG's black band, a PNG's transparent pixels, as a
     GeoTIFF's alpha band). Would catch: no-data pixels counted as valid pixels without clouds
-    (fractions 0.7, 0.6 and 0.8 here), or a PNG's alpha channel ignored."""
+    (fractions 0.7, 0.6 and 0.8 here), or a PNG's alpha channel ignored or taken as data only
+    where opaque."""
     checkpoint, _ = tiny_ensemble
     image = np.full((100, 150, 3), 200, np.uint8)
     (tmp_path / "in").mkdir()
@@ -620,6 +621,7 @@ def test_no_data_is_not_counted_as_clear_sky(tiny_ensemble, tmp_path, monkeypatc
     cv2.imwrite(str(tmp_path / "in" / "b.png"), png)
     transparent = np.dstack([image, np.full((100, 150), 255, np.uint8)])
     transparent[80:, :, 3] = 0  # the bottom 20 rows: no data, though bright red
+    transparent[:10, :, 3] = 1  # the top 10 almost transparent: data all the same, as GDAL's alpha mask says
     cv2.imwrite(str(tmp_path / "in" / "c.png"), transparent)
     assert run_segment(monkeypatch, red_is_fish, tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out",
                        "--tile", 64, 96) == 0

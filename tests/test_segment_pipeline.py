@@ -429,18 +429,19 @@ def test_a_failed_last_write_publishes_nothing_of_its_scene(tiny_ensemble, scene
 def test_a_scene_whose_time_cannot_be_read_fails_before_any_work(tiny_ensemble, tmp_path, capsys):
     """CPU. Would catch: the scene's time read after its mapping (the model run for nothing, and its
     file left open to the garbage collector while the writer may still write it), a message that
-    does not say the tag is what is wrong (strptime's alone), or a blank tag failing the scene
-    where its name has the time."""
+    does not say the tag is what is wrong (strptime's alone), or TIFF's "unknown" date (blanks and
+    colons) failing the scene where its name has the time."""
     _, ensemble = tiny_ensemble
     (tmp_path / "in").mkdir()
     bad = write_geotiff(tmp_path / "in" / "a.tif", smooth_scene(320, 230),
                         tags={"TIFFTAG_DATETIME": "2020-01-01 00:00"})  # not YYYY:MM:DD HH:MM:SS
-    blank = write_geotiff(tmp_path / "in" / "b_20200203.tif", smooth_scene(320, 230), tags={"TIFFTAG_DATETIME": " "})
+    unknown = write_geotiff(tmp_path / "in" / "b_20200203.tif", smooth_scene(320, 230),
+                            tags={"TIFFTAG_DATETIME": "    :  :     :  :  "})  # TIFF's "unknown"
     calls = []
     (tmp_path / "out").mkdir()
     assert segment_module.segment_scenes([bad], counting(ensemble, calls), tmp_path / "out", OPTIONS) == 1
     error = capsys.readouterr().err
     assert error.startswith(f"cloudseg segment: {bad}: its TIFFTAG_DATETIME '2020-01-01 00:00' is not a time") and calls == []
     assert list((tmp_path / "out").iterdir()) == []
-    assert segment_module.segment_scenes([blank], counting(ensemble, calls), tmp_path / "out", OPTIONS) == 0
+    assert segment_module.segment_scenes([unknown], counting(ensemble, calls), tmp_path / "out", OPTIONS) == 0
     assert json.loads((tmp_path / "out" / "b_20200203.json").read_text())["time"].startswith("2020-02-03")
