@@ -56,8 +56,8 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
     `LABELS` order, "" meaning no mask. Every run's syntax is checked here, so a malformed
     RLE fails before a long run starts. A bad row (malformed RLE, unknown label, duplicate,
     an image missing a label) raises a ValueError naming the file, line and Image_Label;
-    given a `problems` list, it is appended there instead and its image left out. A missing
-    file or a wrong header always raises.
+    given a `problems` list, it is appended there instead and its image left out. A missing,
+    empty or non-UTF-8 file, a wrong header or no rows under it always raises.
     """
     import pandas as pd  # here: pandas takes 0.3 s to import; a command without tables (segment) never does
 
@@ -66,11 +66,20 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
         raise FileNotFoundError(f"{path}: file not found")
     # utf-8-sig drops a byte-order mark; \r\n line endings are read as \n. One read: the text
     # also gives the rows' line numbers.
-    text = path.read_text(encoding="utf-8-sig")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {raw[error.start]:#04x}): save it as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"{path}: empty file; expected header '{ID_COLUMN},{RLE_COLUMN}' and a row per image and label")
     frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)
     missing = [c for c in (ID_COLUMN, RLE_COLUMN) if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; expected header '{ID_COLUMN},{RLE_COLUMN}'")
+    if frame.empty:
+        raise ValueError(f"{path}: no rows under its header; expected a row per image and label")
     found: list[Problem] = []
 
     def reject(image_id: str, message: str) -> None:

@@ -197,6 +197,31 @@ def test_a_wrong_header_is_an_error_in_both_modes(data, tmp_path, capsys):
         assert expected in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, named", [(b"", "empty file"), (b"Image_Label,EncodedPixels\n", "no rows under its header"),
+                                            (None, "line 3 is not UTF-8 text (byte 0xe9)")],
+                         ids=["empty", "header only", "Latin-1"])
+def test_an_empty_header_only_or_non_utf8_csv_is_one_line_naming_it(data, tmp_path, capsys, content, named):
+    """train.csv, then sample_submission.csv, empty, a header alone, or with one Latin-1 byte on its
+    third line. Would catch: pandas' "No columns to parse from file" or Python's codec error
+    without the file's name, a header alone taken as a dataset of no images ("no problems found",
+    then "cannot split 0 images into 5 folds"; a submission of no rows written by predict)."""
+    for name, command in (("train.csv", ["check", "--data-dir", str(data), "--workers", "1"]),
+                          ("sample_submission.csv", ["evaluate", "--submission", str(data / "sample_submission.csv"),
+                                                     "--truth", str(data / "train.csv")])):
+        original = (data / name).read_bytes()
+        if content is None:
+            lines = original.split(b"\n")
+            lines[2] = lines[2].replace(b",", b",\xe9", 1)
+        (data / name).write_bytes(b"\n".join(lines) if content is None else content)
+        assert main(command) in (1, 2)
+        captured = capsys.readouterr()
+        assert f"{data / name}: {named}" in captured.out + captured.err, name
+        (data / name).write_bytes(original)
+    (data / "train.csv").write_bytes(b"Image_Label,EncodedPixels\n" if content is not None else b"")
+    assert main(["train", "-c", "configs/demo.yaml", "--out", str(tmp_path / "run"), f"data.dir={data}", *FAST]) == 2
+    assert capsys.readouterr().err.startswith(f"cloudseg: error: {data / 'train.csv'}: ")
+
+
 def test_byte_order_mark_and_windows_line_endings_simply_work(data, tmp_path, capsys):
     for name in ("train.csv", "sample_submission.csv"):
         text = (data / name).read_text()
