@@ -291,7 +291,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: config file not found")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parsed_yaml(path.read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a config file must be a mapping of sections")
     return from_dict(apply_overrides(raw, overrides), source=str(path or "defaults"))
@@ -346,8 +346,18 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {override!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(text) if text.strip() else ""
+        node[leaf] = parsed_yaml(text, f"override {override!r}") if text.strip() else ""
     return raw
+
+
+def parsed_yaml(text: str, source: str):
+    """`text` as YAML, or a one-line ValueError naming `source` and where the text stops parsing."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{source}{where}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
 
 
 def dump(config: Config) -> str:

@@ -265,6 +265,7 @@ def test_scheduler_and_optimizer_step_once_per_window(data, tmp_path):
         ("train.lr=.inf", r"train.lr: .*finite number"),  # YAML's infinity
         ("predict.threshold=.nan", r"predict.threshold.0: .*finite number"),
         ("nonsense", "not of the form"),
+        ("train.lr=[1", r"override 'train.lr=\[1', line 1, column 3: not valid YAML"),  # not yaml's traceback
     ],
 )
 def test_config_errors_name_the_key(override, message, capsys):
@@ -278,6 +279,15 @@ def test_unknown_key_in_yaml_is_an_error(tmp_path):
     (tmp_path / "c.yaml").write_text("train:\n  epochs: 2\n  epoch: 3\n")
     with pytest.raises(ValueError, match=r"c\.yaml: train\.epoch: unknown key"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_it_and_the_line(tmp_path, capsys):
+    """Would catch: yaml's ParserError and its traceback (exit 1) for a bracket left open."""
+    (tmp_path / "c.yaml").write_text("seed: 1\ntrain: [\n")
+    assert main(["train", "-c", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == (f"cloudseg: error: {tmp_path / 'c.yaml'}, line 3, column 1: not valid "
+                                               "YAML (expected the node content, but found '<stream end>')")
+    assert not (tmp_path / "run").exists()
 
 
 def test_shipped_configs_say_what_the_issue_asks():
