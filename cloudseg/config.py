@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator,
+                      model_validator)
 
 from cloudseg.task import LABELS
 
@@ -227,7 +228,7 @@ class PredictConfig(Section):
     threshold: tuple[float, float, float, float] = Field(
         (0.5,) * 4, description="per-class probability threshold (Fish, Flower, Gravel, Sugar); one number = all"
     )
-    min_area: tuple[int, int, int, int] = Field(
+    min_area: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
         (0,) * 4, description="per-class minimum connected-component area in pixels at 350x525; one number = all"
     )
     gate: tuple[float, float, float, float] = Field(

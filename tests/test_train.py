@@ -265,6 +265,7 @@ def test_scheduler_and_optimizer_step_once_per_window(data, tmp_path):
         ("train.lr=.inf", r"train.lr: .*finite number"),  # YAML's infinity
         ("predict.threshold=.nan", r"predict.threshold.0: .*finite number"),
         ("nonsense", "not of the form"),
+        ("predict.min_area=-5", r"predict.min_area.0: .*greater than or equal to 0"),  # taken as 0 before
         ("train.lr=[1", r"override 'train.lr=\[1', line 1, column 3: not valid YAML"),  # not yaml's traceback
     ],
 )
