@@ -33,11 +33,17 @@ def scene_dir(tmp_path):
     return tmp_path / "in"
 
 
+def segmented(monkeypatch, checkpoint, scenes, out, *options) -> int:
+    """The exit status of `cloudseg segment` of `scenes` into `out` with the pixelwise model, 64×96
+    windows, no tuned rule and `options`."""
+    return run_segment(monkeypatch, pixelwise, scenes, "--checkpoint", checkpoint, "--out", out, "--tile", 64, 96,
+                       "--postprocess", "none", *options)
+
+
 def mapped(monkeypatch, checkpoint, scenes, out, *options):
-    """The bands of scene.tif mapped into `out` with the pixelwise model and `options`, and (its
-    codec, its band descriptions)."""
-    assert run_segment(monkeypatch, pixelwise, scenes, "--checkpoint", checkpoint, "--out", out, "--tile", 64, 96,
-                       "--postprocess", "none", *options) == 0
+    """The bands of scene.tif mapped into `out` (`segmented`) with `options`, and (its codec, its
+    band descriptions)."""
+    assert segmented(monkeypatch, checkpoint, scenes, out, *options) == 0
     with rasterio.open(out / "scene.tif") as written:
         codec = written.compression.name.lower() if written.compression else "none"
         assert "--cog" in options or written.count == 1 or written.interleaving.value == "BAND"  # geo.INTERLEAVE
@@ -241,13 +247,12 @@ def test_a_rerun_stopped_before_its_record_leaves_the_scene_to_map_again(tiny_en
     caplog.set_level(logging.INFO)
     out = tmp_path / "out"
 
-    def mapped(*options):
+    def status_and_done_before(*options):
         caplog.clear()
-        status = run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", out,
-                             "--tile", 64, 96, "--postprocess", "none", *options)
+        status = segmented(monkeypatch, checkpoint, scene_dir, out, *options)
         return status, re.search(r"1 scenes, (\d) done before", caplog.text).group(1)
 
-    assert mapped() == (0, "0")
+    assert status_and_done_before() == (0, "0")
     first = (out / "scene.tif").read_bytes()
     real_atomic_path = segment_module.atomic_path
 
@@ -260,10 +265,10 @@ def test_a_rerun_stopped_before_its_record_leaves_the_scene_to_map_again(tiny_en
         patched.setattr(segment_module, "atomic_path", full_disk_for_records)
         if killed:  # a killed process removes nothing it published
             patched.setattr(segment_module, "published_together", lambda: contextlib.nullcontext([]))
-        assert mapped("--overlap", 0.5) == (1, "0")
+        assert status_and_done_before("--overlap", 0.5) == (1, "0")
     assert not (out / "scene.json").exists()
     assert (out / "scene.tif").exists() == killed and (not killed or (out / "scene.tif").read_bytes() != first)
-    assert mapped() == (0, "0")  # mapped again, as the first time
+    assert status_and_done_before() == (0, "0")  # mapped again, as the first time
     assert (out / "scene.tif").read_bytes() == first
     assert json.loads((out / "scene.json").read_text())["made_with"]["overlap"] == 0.25
 
@@ -278,12 +283,7 @@ def test_a_rerun_that_fails_before_its_map_replaces_the_old_keeps_the_old_map_an
     the new map's temporary left in --out (the writer never closed)."""
     checkpoint, _ = tiny_ensemble
     out = tmp_path / "out"
-
-    def mapped(*options):
-        return run_segment(monkeypatch, pixelwise, scene_dir, "--checkpoint", checkpoint, "--out", out,
-                           "--tile", 64, 96, "--postprocess", "none", *options)
-
-    assert mapped() == 0
+    assert segmented(monkeypatch, checkpoint, scene_dir, out) == 0
     before = {path.name: path.read_bytes() for path in out.iterdir()}
 
     def fails(*args):
@@ -294,7 +294,7 @@ def test_a_rerun_that_fails_before_its_map_replaces_the_old_keeps_the_old_map_an
             patched.setattr(geo.WholeStrips, "check_complete", lambda strips: fails())
         else:
             patched.setattr(segment_module, "remove", fails)
-        assert mapped("--overlap", 0.5) == 1
+        assert segmented(monkeypatch, checkpoint, scene_dir, out, "--overlap", 0.5) == 1
     assert {path.name: path.read_bytes() for path in out.iterdir() if path.name != "fractions.csv"} == {
         name: data for name, data in before.items() if name != "fractions.csv"}
 
