@@ -432,6 +432,7 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
             finish = segment_scene(path, out_dir, ensemble, options, clock, writer)
         return finish
     clock, lane = clock or StageClock(), writer.lane()
+    geotiff_map, masks_png, overlay_png, done = scene_outputs(out_dir, path)
     try:
         with geo.open_scene(path, ensemble.device) as scene:
             when = geo.scene_time(path, scene.tags, options.time_pattern)  # its error before any work, not after
@@ -440,10 +441,10 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
             # closed before the scene, also when the mapping stops early: no read of it left running
             with contextlib.closing(blended_rows(scene, ensemble, options.tile, options.overlap, clock)) as rows:
                 if isinstance(scene, geo.GeoTiffScene):
-                    close = map_geotiff(scene, rows, thresholds, counts, out_dir / f"{path.stem}.tif", options,
+                    close = map_geotiff(scene, rows, thresholds, counts, geotiff_map, options,
                                         writer=writer, lane=lane)
                 else:
-                    close = map_image(scene, rows, thresholds, counts, out_dir / path.stem, clock=clock)
+                    close = map_image(scene, rows, thresholds, counts, masks_png, overlay_png, clock=clock)
     except BaseException:
         if lane is not None:
             writer.wait()
@@ -456,9 +457,9 @@ def segment_scene(path: Path, out_dir: Path, ensemble: Ensemble, options: Segmen
                 # a NAME.json here is another call's (this one's would have skipped the scene), of maps these
                 # replace: gone before them, so that a finish stopped after leaves the scene to map again, not
                 # that record beside these maps or beside none
-                published += close(replacing=lambda: remove(done_file(out_dir, path)))
+                published += close(replacing=lambda: remove(done))
             record = {**counts.record(path.name, when), **map_record(options, path)}
-            with atomic_path(done_file(out_dir, path)) as tmp:
+            with atomic_path(done) as tmp:
                 tmp.write_text(json.dumps(record))
         return record
 
@@ -647,10 +648,11 @@ def map_geotiff(scene, rows, thresholds, counts: SceneCounts, out: Path, options
     return close
 
 
-def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock: StageClock):
+def map_image(scene, rows, thresholds, counts: SceneCounts, masks_png: Path, overlay_png: Path, *,
+              clock: StageClock):
     """Gather the masks of a JPEG or PNG scene (held whole anyway); returns what writes
-    STEM_masks.png and STEM_overlay.png (in the writer's thread), both or neither, `replacing()`
-    first, and returns them."""
+    `masks_png` and `overlay_png` (in the writer's thread), both or neither, `replacing()` first,
+    and returns them."""
     masks = np.zeros((len(LABELS), scene.height, scene.width), np.uint8)
     for top, probs, valid in rows:
         with clock("encode"):
@@ -663,8 +665,8 @@ def map_image(scene, rows, thresholds, counts: SceneCounts, stem: Path, *, clock
         masks[:, ~valid] = 0
         replacing()
         with published_together() as published:
-            published.append(geo.write_png(stem.with_name(f"{stem.name}_masks.png"), geo.class_bits(masks, valid)))
-            published.append(geo.write_png(stem.with_name(f"{stem.name}_overlay.png"), overlay(scene.image, masks)))
+            published.append(geo.write_png(masks_png, geo.class_bits(masks, valid)))
+            published.append(geo.write_png(overlay_png, overlay(scene.image, masks)))
         return published
 
     return write_pngs
@@ -674,10 +676,10 @@ def done_file(out_dir: Path, path: Path) -> Path:
     return out_dir / f"{path.stem}.json"
 
 
-def scene_outputs(out_dir: Path, path: Path) -> list[Path]:
-    """Every file that mapping the scene at `path` may write into `out_dir` (a GeoTIFF's map, or a
-    JPEG's or PNG's two PNGs, and NAME.json)."""
-    return [out_dir / f"{path.stem}{end}" for end in (".tif", "_masks.png", "_overlay.png")] + [done_file(out_dir, path)]
+def scene_outputs(out_dir: Path, path: Path) -> tuple[Path, Path, Path, Path]:
+    """Every file that mapping the scene at `path` may write into `out_dir`: a GeoTIFF's map, a
+    JPEG's or PNG's masks and overlay, and NAME.json (`done_file`)."""
+    return (*(out_dir / f"{path.stem}{end}" for end in (".tif", "_masks.png", "_overlay.png")), done_file(out_dir, path))
 
 
 # ---------------------------------------------------------------------------------- many scenes
