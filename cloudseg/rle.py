@@ -13,6 +13,7 @@ once with torch, on the batch's device.
 from __future__ import annotations
 
 import math
+import re
 
 import cv2
 import numpy as np
@@ -31,16 +32,23 @@ def is_empty(rle) -> bool:
 
 
 MAX_VALUE = 2**62  # far above any image's pixels; two of them add up without overflowing int64
+# Kaggle's RLE is ASCII digits; NumPy's int parsing would also take "+5", "1_000" and other
+# scripts' digits ("５"), which no encoder writes. A minus passes here so that "-2" is told
+# as a bad start, not as a non-integer.
+NOT_RLE_CHARACTER = re.compile(r"[^0-9\s-]")
 
 
 def parse(rle) -> tuple[np.ndarray, np.ndarray]:
     """Validated 0-based run starts and run lengths (int64); ValueError says what is wrong."""
     if is_empty(rle):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    tokens = str(rle).split()
+    text = str(rle)
+    tokens = text.split()
     if len(tokens) % 2:
         raise ValueError(f"RLE has an odd number of values ({len(tokens)}); expected 'start length' pairs")
     try:
+        if NOT_RLE_CHARACTER.search(text):
+            raise ValueError(text)
         values = np.array(tokens, dtype=np.int64)
     except (ValueError, OverflowError):
         raise ValueError(f"RLE has a non-integer value {_first_non_integer(tokens)!r}") from None
@@ -67,6 +75,8 @@ def _first_true(flags: np.ndarray) -> int | None:
 def _first_non_integer(tokens: list[str]) -> str:
     for token in tokens:
         try:
+            if NOT_RLE_CHARACTER.search(token):
+                return token
             np.int64(int(token))
         except (ValueError, OverflowError):
             return token

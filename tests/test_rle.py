@@ -81,6 +81,11 @@ def test_default_shape_is_native_kaggle_size():
         ("1 2 3", "odd number of values"),
         ("1 2 x 4", "non-integer value 'x'"),
         ("1 2.5", "non-integer value '2.5'"),
+        # what Python's int() and NumPy take but no RLE writer writes
+        ("1 +5", "non-integer value '\\+5'"),
+        ("1_000 2", "non-integer value '1_000'"),
+        ("\uff15 1", "non-integer value '\uff15'"),  # a fullwidth 5
+        ("1 2 1-2 3", "non-integer value '1-2'"),
         ("0 3", "start 0"),
         ("-2 3", "start -2"),
         ("4 0", "length 0"),
