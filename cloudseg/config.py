@@ -318,20 +318,42 @@ FIXED_ON_RESUME = ("seed", "data.fold", "data.n_folds", "data.image_size", "mode
                    "train.lr", "train.weight_decay", "train.schedule", "train.warmup_steps", "train.ema")
 
 
+# What a checkpoint's model was built with. Prediction takes them from the checkpoint, so an
+# override of one would be ignored; it is refused instead.
+FIXED_BY_CHECKPOINT = ("model", "data.image_size", "train.channels_last")
+
+
 def resumed_config(saved: dict, overrides: list[str], source: str) -> Config:
     """The config of a resumed run: `saved` (a checkpoint's) with `overrides`, none of which may
     change a key of FIXED_ON_RESUME (a one-line error naming it); others apply (train.epochs, the
     workers, the rule validation scores with, ...)."""
     config = from_dict(apply_overrides(saved, overrides), source)
-    before, after = from_dict(saved, source).model_dump(mode="json"), config.model_dump(mode="json")
-    for key in FIXED_ON_RESUME:
-        was, now = before, after
-        for part in key.split("."):
-            was, now = was[part], now[part]
-        if was != now:
-            raise ValueError(f"{source}: a resumed run keeps the {key} it trained with ({was!r}, not {now!r}): "
-                             "train a new run (--out) for another")
+    if change := first_change(from_dict(saved, source), config, FIXED_ON_RESUME):
+        key, was, now = change
+        raise ValueError(f"{source}: a resumed run keeps the {key} it trained with ({was!r}, not {now!r}): "
+                         "train a new run (--out) for another")
     return config
+
+
+def first_change(before: Config, after: Config, keys: tuple[str, ...]) -> tuple[str, object, object] | None:
+    """The first key, dotted down to a value (`model.encoder`, not `model`), that differs from
+    `before` to `after` among `keys` (each a key or a whole section), with its two values."""
+    was, now = _leaves(before.model_dump(mode="json")), _leaves(after.model_dump(mode="json"))
+    for key in was:
+        if any(key == fixed or key.startswith(f"{fixed}.") for fixed in keys) and was[key] != now[key]:
+            return key, was[key], now[key]
+    return None
+
+
+def _leaves(raw: dict, prefix: str = "") -> dict:
+    """{"section.key": value} for every value of nested sections."""
+    leaves = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

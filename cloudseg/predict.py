@@ -18,7 +18,7 @@ from tqdm import tqdm
 from cloudseg import rle
 from cloudseg.checkpoint import fingerprint, load_checkpoint
 from cloudseg.compiled import compile_logged, compiled, resolve_compile
-from cloudseg.config import Config, PredictConfig, apply_overrides, from_dict
+from cloudseg.config import FIXED_BY_CHECKPOINT, Config, PredictConfig, apply_overrides, first_change, from_dict
 from cloudseg.data import CloudDataset, make_loader, sample_rows, test_image_ids
 from cloudseg.decode import decode_batch, resolve_decode
 from cloudseg.files import atomic_path
@@ -206,6 +206,10 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
         raw["predict"].update({key: rule[key] for key in (*RULE_KEYS, *RULE_DEFAULTS)})
         top_k = rule.get("top_k", TOP_K)
     config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
+    if change := first_change(from_dict(raw), config, FIXED_BY_CHECKPOINT):
+        key, was, now = change
+        raise ValueError(f"predict overrides: {key} comes from the checkpoint ({was!r} in {checkpoints[0]}), "
+                         f"not from an override ({now!r}); it applies to training")
     flipped = None if work_pixels is None else work_pixels * len(TTA_FLIPS[config.predict.tta])
     compiling = resolve_compile(config.predict.compile, device, "predict.compile", flipped)
     models = [model for model, _ in loaded]

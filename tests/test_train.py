@@ -62,6 +62,18 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
     assert main(["evaluate", "--submission", str(sub), "--truth", str(data / "test_solution.csv")]) == 0
     assert "mean Dice" in capsys.readouterr().out
 
+    # what the checkpoint's model was built with is refused as an override, not ignored (predict
+    # built the checkpoint's model and wrote a submission as if the override had applied)
+    for override, key, was, now in (("model.encoder=resnet34", "model.encoder", "'mobilenet_v2'", "'resnet34'"),
+                                    ("data.image_size=[128, 192]", "data.image_size", "[64, 96]", "[128, 192]"),
+                                    ("train.channels_last=false", "train.channels_last", "True", "False")):
+        assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(tmp_path / "no.csv"),
+                     "--device", "cpu", override]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"cloudseg: error: predict overrides: {key} comes from the checkpoint ({was} in {run / 'best.pt'}), "
+            f"not from an override ({now}); it applies to training")
+    assert not (tmp_path / "no.csv").exists()
+
 
 def test_existing_run_is_not_overwritten(data, tmp_path, capsys):
     run = tmp_path / "run"
@@ -164,7 +176,7 @@ def test_a_resume_refuses_what_its_state_was_made_with_and_records_what_it_chang
     run = tmp_path / "run"
     train(tiny_config(data), run)
     for override, key in (("train.lr=1e-2", "train.lr"), ("train.weight_decay=0.5", "train.weight_decay"),
-                          ("data.fold=1", "data.fold"), ("model.encoder=resnet34", "model"),
+                          ("data.fold=1", "data.fold"), ("model.encoder=resnet34", "model.encoder"),
                           ("train.effective_batch=8", "train.effective_batch")):
         assert main(["train", "--resume", str(run), override]) == 2
         error = capsys.readouterr().err.strip()
