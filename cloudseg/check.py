@@ -6,18 +6,14 @@ Data path: the first two steps, **train.csv → Dataset**, run over everything i
 
 from __future__ import annotations
 
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
 
-from cloudseg.data import CloudDataset, Problem, jpeg_frame
+from cloudseg.data import CloudDataset, Problem, most_common_size
 from cloudseg.hardware import usable_cores
 from cloudseg.task import IMAGE_SHAPE
-
-HEADER_BYTES = 1 << 16  # a JPEG's frame header sits in its first segments
-
 
 def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = None,
                   workers: int | None = None) -> tuple[list[Problem], list[str]]:
@@ -37,7 +33,8 @@ def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = Non
             splits[split] = CloudDataset(data_dir, split, on_bad_sample="skip")
         except (ValueError, FileNotFoundError) as error:  # a missing CSV or a wrong header
             problems.append(Problem("", str(error)))
-    image_size = tuple(image_size or most_common_size(splits.values()) or IMAGE_SHAPE)
+    all_images = (dataset.image_dir / image_id for dataset in splits.values() for image_id in dataset.image_ids)
+    image_size = tuple(image_size or most_common_size(all_images) or IMAGE_SHAPE)
     summary = [f"{data_dir}: expected image size {image_size[0]}x{image_size[1]}"]
     for split, dataset in splits.items():
         dataset.image_size = image_size
@@ -58,18 +55,3 @@ def unreadable(dataset: CloudDataset, workers: int, desc: str) -> list[Problem]:
     with ThreadPoolExecutor(workers) as pool:
         found = tqdm(pool.map(problem, range(len(dataset))), desc=desc, total=len(dataset), unit="image", disable=None)
         return [p for p in found if p is not None]
-
-
-def most_common_size(datasets) -> tuple[int, int] | None:
-    """The (H, W) most image files of the datasets have, read from their JPEG headers."""
-    sizes = Counter()
-    for dataset in datasets:
-        for image_id in dataset.image_ids:
-            try:
-                with open(dataset.image_dir / image_id, "rb") as file:
-                    frame = jpeg_frame(file.read(HEADER_BYTES))
-            except OSError:
-                continue
-            if frame is not None:
-                sizes[frame.height, frame.width] += 1
-    return sizes.most_common(1)[0][0] if sizes else None

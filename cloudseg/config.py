@@ -50,7 +50,7 @@ class DataConfig(Section):
     fold: int = Field(0, ge=0, description="fold held out for validation; the other folds train")
     n_folds: int = Field(5, ge=2, description="number of folds (folds.csv is made once per data folder)")
     image_size: tuple[PositiveInt, PositiveInt] | None = Field(
-        None, description="expected native [H, W] of every image; null = taken from the first image"
+        None, description="expected native [H, W] of every image; null = the size most of the first 32 images have"
     )
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes")
     prefetch_factor: int = Field(2, ge=1, description="micro-batches each worker loads ahead (with num_workers > 0)")

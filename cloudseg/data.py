@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import random
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -253,6 +254,25 @@ def jpeg_frame(data: bytes | np.ndarray) -> JpegFrame | None:
     return None
 
 
+HEADER_BYTES = 1 << 16  # a JPEG's frame header sits in its first segments
+SIZE_SAMPLE = 32  # the images whose headers give a dataset its size where none is set
+
+
+def most_common_size(paths) -> tuple[int, int] | None:
+    """The (H, W) most of the JPEG files `paths` give in their frame headers (the earliest on a
+    tie), the unreadable ones left out; None when none is readable."""
+    sizes = Counter()
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
+                frame = jpeg_frame(file.read(HEADER_BYTES))
+        except OSError:
+            continue
+        if frame is not None:
+            sizes[frame.height, frame.width] += 1
+    return sizes.most_common(1)[0][0] if sizes else None
+
+
 def image_shape(path: str | Path) -> tuple[int, int]:
     """(H, W) of an image file."""
     return read_image(path).shape[:2]
@@ -283,7 +303,7 @@ class CloudDataset(Dataset):
 
     An item is a dict: `image` (3×H×W uint8 tensor, RGB), `mask` (4×H×W uint8 tensor in
     `LABELS` order, train split only) and `image_id`. `image_size` is the (H, W) every image
-    must have; None takes it from the first image. `transform` is an albumentations
+    must have; None takes the size most of the first images have (`SIZE_SAMPLE`). `transform` is an albumentations
     transform applied to image and masks together.
 
     `on_bad_sample="raise"`: a bad CSV row or image raises an error naming the file or row.
@@ -320,7 +340,7 @@ class CloudDataset(Dataset):
         if unknown:
             raise KeyError(f"{len(unknown)} image id(s) not in the {split} split of {self.data_dir}, e.g. {unknown[0]}")
         self.transform = transform
-        self.image_size = tuple(image_size) if image_size is not None else self._first_image_size()
+        self.image_size = tuple(image_size) if image_size is not None else self._common_image_size()
 
     @property
     def transform(self):
@@ -331,6 +351,13 @@ class CloudDataset(Dataset):
         if self.decode == "gpu":  # refused when set, not at the first item inside a worker
             check_replayable(transform)
         self._transform = transform
+
+    def _common_image_size(self) -> tuple[int, int] | None:
+        """(H, W) most of the first SIZE_SAMPLE images' headers give: were the first image's taken,
+        one odd image first would have every good one refused as the wrong size. Where none has
+        a readable header, the first image's (its error in raise mode)."""
+        paths = [self.image_dir / image_id for image_id in self.image_ids[:SIZE_SAMPLE]]
+        return most_common_size(paths) or self._first_image_size()
 
     def _first_image_size(self) -> tuple[int, int] | None:
         """(H, W) of the first image (in skip mode: the first readable one)."""

@@ -213,6 +213,20 @@ def test_an_exif_orientation_is_not_applied_as_the_gpu_decode_and_the_masks_do_n
     assert len(read_jpeg_bytes(tmp_path / "a.jpg", (64, 96)))
 
 
+def test_without_a_size_the_one_most_images_have_is_taken_and_an_odd_first_image_is_the_one_refused(data_copy):
+    """CPU; the tiny data's first training image rewritten at 32x96. Would catch: the first
+    image's size taken (every good image then refused as 'is 64x96, expected 32x96', the error
+    blaming the images that are right)."""
+    dataset = CloudDataset(data_copy)
+    odd = data_copy / "train_images" / dataset.image_ids[0]
+    cv2.imwrite(str(odd), np.zeros((32, 96, 3), np.uint8))
+    dataset = CloudDataset(data_copy)
+    assert dataset.image_size == (64, 96)
+    assert dataset[1]["image"].shape == (3, 64, 96)
+    with pytest.raises(ValueError, match=f"{odd}: image is 32x96, expected 64x96"):
+        dataset[0]
+
+
 def test_explicit_image_size_rejects_other_sizes(tiny_data):
     with pytest.raises(ValueError, match="is 64x96, expected 1400x2100"):
         CloudDataset(tiny_data, image_size=(1400, 2100))[0]
