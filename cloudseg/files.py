@@ -26,6 +26,8 @@ def atomic_path(path: str | Path):
     a plain open() would give it (0666 less the umask).
     """
     path = Path(path)
+    if path.is_dir():  # else the rename's error names the temporary file
+        raise IsADirectoryError(f"{path}: is a folder; a file cannot be written over it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_hidden_file(path)
     try:

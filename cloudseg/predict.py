@@ -155,6 +155,8 @@ def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: l
     """Average the checkpoints' probabilities at 350×525, post-process by the tuned rule (see
     `tuned_rule`), write a checked submission. `overrides` (predict.threshold=...) come last;
     `device`: auto (a GPU when PyTorch sees one), cpu or cuda."""
+    if Path(out).is_dir():  # told now, not after the whole prediction
+        raise ValueError(f"{out}: --out is a folder, not a file; name the submission's CSV (submission.csv)")
     ensemble = load_ensemble(checkpoints, postprocess_file, overrides, device)
     config, device = ensemble.config, ensemble.device
     data_dir = data_dir or config.data.dir

@@ -95,6 +95,16 @@ def test_atomic_path_is_the_target_only_after_success(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_folder_in_the_way_is_named_and_no_temporary_is_left(tmp_path):
+    """Would catch: the folder found only by the final rename, whose error names the hidden
+    temporary file (`[Errno 21] Is a directory: '.x.1234.tmp' -> 'x'`), not the path asked for."""
+    (tmp_path / "submission.csv").mkdir()
+    with pytest.raises(IsADirectoryError, match=f"^{tmp_path / 'submission.csv'}: is a folder"):
+        with atomic_path(tmp_path / "submission.csv") as tmp:
+            tmp.write_text("rows")
+    assert [path.name for path in tmp_path.iterdir()] == ["submission.csv"]
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o027, 0o640)])
 def test_a_written_file_has_the_mode_open_would_give_it(tmp_path, umask, mode):
     """Catches mkstemp's 0600 surviving the rename (umask 022, 027) and a fixed chmod 0644 (077)."""

@@ -73,6 +73,9 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
             f"cloudseg: error: predict overrides: {key} comes from the checkpoint ({was} in {run / 'best.pt'}), "
             f"not from an override ({now}); it applies to training")
     assert not (tmp_path / "no.csv").exists()
+    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(run), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == (  # told before predicting, not by the final rename
+        f"cloudseg: error: {run}: --out is a folder, not a file; name the submission's CSV (submission.csv)")
 
 
 def test_existing_run_is_not_overwritten(data, tmp_path, capsys):
