@@ -295,20 +295,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raw = parsed_yaml(path.read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a config file must be a mapping of sections")
-    return from_dict(apply_overrides(raw, overrides), source=str(path or "defaults"))
+    return from_dict(apply_overrides(raw, overrides), str(path or "defaults"), overrides)
 
 
-def from_dict(raw: dict, source: str = "config") -> Config:
-    """Validated Config; ValueError lists every bad key as `section.key: problem`."""
+def from_dict(raw: dict, source: str = "config", overrides: list[str] = ()) -> Config:
+    """Validated Config; ValueError lists every bad key as `section.key: problem`, after the
+    override that set it (`overrides`, already applied to `raw`) or else `source`."""
     try:
         return Config.model_validate(raw)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
-            + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e["input"], dict) else "")
-            for e in error.errors()
-        )
-        raise ValueError(f"{source}: {problems.replace('Extra inputs are not permitted', 'unknown key')}") from None
+        by_origin = {}
+        for e in error.errors():
+            key = ".".join(map(str, e["loc"])) or "config"
+            problem = f"{key}: {e['msg'].removeprefix('Value error, ')}" + (
+                f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e["input"], dict) else "")
+            by_origin.setdefault(_setter(key, overrides) or source, []).append(problem)
+        told = "; ".join(f"{origin}: {'; '.join(problems)}" for origin, problems in by_origin.items())
+        raise ValueError(told.replace("Extra inputs are not permitted", "unknown key")) from None
+
+
+def _setter(key: str, overrides: list[str]) -> str | None:
+    """The last of `overrides` that set `key` or a section above it, as an error names it."""
+    for override in reversed(overrides):
+        name = override.partition("=")[0]
+        if key == name or key.startswith(f"{name}."):
+            return f"override {override!r}"
+    return None
 
 
 # What a run's state was made with: its folds, its weights' shapes, its data order and its
@@ -327,7 +339,7 @@ def resumed_config(saved: dict, overrides: list[str], source: str) -> Config:
     """The config of a resumed run: `saved` (a checkpoint's) with `overrides`, none of which may
     change a key of FIXED_ON_RESUME (a one-line error naming it); others apply (train.epochs, the
     workers, the rule validation scores with, ...)."""
-    config = from_dict(apply_overrides(saved, overrides), source)
+    config = from_dict(apply_overrides(saved, overrides), source, overrides)
     if change := first_change(from_dict(saved, source), config, FIXED_ON_RESUME):
         key, was, now = change
         raise ValueError(f"{source}: a resumed run keeps the {key} it trained with ({was!r}, not {now!r}): "

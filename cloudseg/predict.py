@@ -207,7 +207,7 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
         rule = read_rule_file(rule_file)
         raw["predict"].update({key: rule[key] for key in (*RULE_KEYS, *RULE_DEFAULTS)})
         top_k = rule.get("top_k", TOP_K)
-    config = from_dict(apply_overrides(raw, overrides), source="predict overrides")
+    config = from_dict(apply_overrides(raw, overrides), f"{checkpoints[0]} (saved config)", overrides)
     if change := first_change(from_dict(raw), config, FIXED_BY_CHECKPOINT):
         key, was, now = change
         raise ValueError(f"predict overrides: {key} comes from the checkpoint ({was!r} in {checkpoints[0]}), "

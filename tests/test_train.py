@@ -297,6 +297,19 @@ def test_unknown_key_in_yaml_is_an_error(tmp_path):
         load_config(tmp_path / "c.yaml")
 
 
+def test_each_bad_key_is_told_as_the_override_that_set_it_or_else_the_file(tmp_path):
+    """Would catch: every problem put on the config file, which has no train.lrr to fix (the
+    user's typo was on the command line), or on the last override."""
+    (tmp_path / "c.yaml").write_text("train:\n  epochs: 0\n  lr: 0.1\n")
+    with pytest.raises(ValueError) as error:
+        load_config(tmp_path / "c.yaml", ["train.lrr=0.1", "train.lr=2", "train.lr=-1", "predict.tta=x"])
+    assert str(error.value) == (
+        f"{tmp_path / 'c.yaml'}: train.epochs: Input should be greater than or equal to 1 (got 0); "
+        "override 'train.lr=-1': train.lr: Input should be greater than 0 (got -1); "
+        "override 'train.lrr=0.1': train.lrr: unknown key; "
+        "override 'predict.tta=x': predict.tta: Input should be 'none', 'hflip', 'hvflip' or 'd4-lite' (got 'x')")
+
+
 def test_a_config_file_that_is_not_yaml_is_one_line_naming_it_and_the_line(tmp_path, capsys):
     """Would catch: yaml's ParserError and its traceback (exit 1) for a bracket left open."""
     (tmp_path / "c.yaml").write_text("seed: 1\ntrain: [\n")
