@@ -104,9 +104,17 @@ class ImageScene:
         pass
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_GREY_ALPHA = 4  # IHDR's colour type of grey with alpha
+
+
 def read_png(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     """An 8-bit RGB PNG as H×W×3 uint8 RGB, and its H×W alpha channel where it has one (else None);
     other kinds are refused with what to do."""
+    with open(path, "rb") as file:
+        header = file.read(26)  # the signature and IHDR, whose last byte is the colour type
+    if header.startswith(PNG_SIGNATURE) and len(header) == 26 and header[25] == PNG_GREY_ALPHA:
+        check_pixels(path, 2, np.uint8)  # OpenCV reads it as BGRA, grey copied thrice: refused as grey is
     image = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
     if image is None:
         raise ValueError(f"{path}: corrupt or unreadable PNG")

@@ -951,7 +951,10 @@ def test_ctrl_c_is_one_line_and_leaves_no_map_of_the_scene_it_stopped(tiny_ensem
 def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_path, capsys):
     """CPU. Would catch: a bad scene stopping the job or failing silently, a message without
     the file, an exit status that hides failures, a half-written output left behind, a scene
-    smaller than a window refused (it is mapped as one window), or --debug showing no traceback."""
+    smaller than a window refused (it is mapped as one window), --debug showing no traceback, or
+    a grey PNG with alpha mapped as RGB (grey copied thrice) where one without is refused."""
+    from PIL import Image
+
     checkpoint, _ = tiny_ensemble
     scenes = write_pngs(tmp_path / "in", 1)
     cv2.imwrite(str(scenes / "small.png"), smooth_scene(20, 30))
@@ -959,16 +962,19 @@ def test_bad_scenes_are_one_line_each_and_the_others_go_on(tiny_ensemble, tmp_pa
     cv2.imwrite(str(scenes / "cut.jpg"), smooth_scene(64, 96))
     (scenes / "cut.jpg").write_bytes((scenes / "cut.jpg").read_bytes()[:-600])
     cv2.imwrite(str(scenes / "grey.png"), smooth_scene(64, 96)[..., 0])
+    Image.fromarray(np.stack([smooth_scene(64, 96)[..., 0], np.full((64, 96), 255, np.uint8)], -1), "LA").save(
+        scenes / "greyalpha.png")  # OpenCV reads it as 4 bands: grey thrice and alpha
     cv2.imwrite(str(scenes / "deep.png"), smooth_scene(64, 96).astype(np.uint16) * 257)
     write_geotiff(scenes / "torn.tif", smooth_scene(200, 300))
     (scenes / "torn.tif").write_bytes((scenes / "torn.tif").read_bytes()[:60000])
     assert main(["segment", str(scenes), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"),
-                 "--device", "cpu"]) == 5
+                 "--device", "cpu"]) == 6
     lines = capsys.readouterr().err.strip().splitlines()
     messages = {Path(line.split(": ")[1]).name: line for line in lines if line.startswith("cloudseg segment: ")}
-    assert sorted(messages) == ["cut.jpg", "deep.png", "garbage.jpg", "grey.png", "torn.tif"], lines
+    assert sorted(messages) == ["cut.jpg", "deep.png", "garbage.jpg", "grey.png", "greyalpha.png", "torn.tif"], lines
     assert "truncated JPEG" in messages["cut.jpg"] and "not a JPEG" in messages["garbage.jpg"]
     assert "1-band scene" in messages["grey.png"] and "gdal_translate -b 1 -b 1 -b 1" in messages["grey.png"]
+    assert "2-band scene" in messages["greyalpha.png"]
     assert "uint16 pixels" in messages["deep.png"] and "-ot Byte -scale" in messages["deep.png"]
     assert "Read error" in messages["torn.tif"]  # GDAL's cause, not rasterio's "See previous exception"
     table = (tmp_path / "out" / "fractions.csv").read_text().splitlines()
