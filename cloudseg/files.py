@@ -80,6 +80,13 @@ def new_hidden_file(path: Path) -> Path:
 HIDDEN_FILE = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{16}\.tmp")  # new_hidden_file's names
 
 
+def published_name(path: Path) -> Path:
+    """The path a `new_hidden_file` temporary is written for (itself for any other path): what an
+    error about the temporary names."""
+    match = HIDDEN_FILE.fullmatch(path.name)
+    return path.with_name(match["name"]) if match else path
+
+
 def left_behind(paths: list[Path]) -> list[Path]:
     """The temporaries `new_hidden_file` made beside any of `paths` that are still there: a killed
     process's (nothing else removes them), or one writing that path now. Each folder listed once."""

@@ -32,7 +32,7 @@ import torch
 
 from cloudseg.data import jpeg_frame, read_image, read_jpeg_bytes
 from cloudseg.decode import decode_jpegs
-from cloudseg.files import atomic_path, new_hidden_file
+from cloudseg.files import atomic_path, new_hidden_file, published_name
 from cloudseg.hardware import usable_cores
 from cloudseg.syncs import named_sync
 from cloudseg.task import LABELS
@@ -687,8 +687,12 @@ def write_geotiff_rows(out, top: int, bands: np.ndarray) -> None:
         out.write(top, bands)
         return
     window = geo_module("rasterio.windows").Window(0, top, bands.shape[2], bands.shape[1])
-    for index, band in enumerate(bands, start=1):
-        out.write(band, index, window=window)
+    try:
+        for index, band in enumerate(bands, start=1):
+            out.write(band, index, window=window)
+    except geo_module("rasterio.errors").RasterioIOError as error:  # its cause, libtiff's, has no errno nor file
+        raise OSError(f"{published_name(Path(out.name))}: GDAL could not write the map "
+                      f"({one_line(error.__cause__ or error)}): is the disk full?") from None
 
 
 class WholeStrips:
