@@ -15,6 +15,7 @@ from cloudseg.data import CloudDataset, Problem, most_common_size
 from cloudseg.hardware import usable_cores
 from cloudseg.task import IMAGE_SHAPE
 
+
 def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = None,
                   workers: int | None = None) -> tuple[list[Problem], list[str]]:
     """(problems, summary lines) for the Kaggle-layout folder `data_dir`.

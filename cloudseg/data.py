@@ -303,8 +303,8 @@ class CloudDataset(Dataset):
 
     An item is a dict: `image` (3×H×W uint8 tensor, RGB), `mask` (4×H×W uint8 tensor in
     `LABELS` order, train split only) and `image_id`. `image_size` is the (H, W) every image
-    must have; None takes the size most of the first images have (`SIZE_SAMPLE`). `transform` is an albumentations
-    transform applied to image and masks together.
+    must have; None takes the size most of the first images have (`SIZE_SAMPLE`). `transform`
+    is an albumentations transform applied to image and masks together.
 
     `on_bad_sample="raise"`: a bad CSV row or image raises an error naming the file or row.
     `"skip"`: bad CSV rows leave their images out (listed in `skipped`), and a bad image

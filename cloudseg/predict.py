@@ -210,7 +210,7 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
     config = from_dict(apply_overrides(raw, overrides), f"{checkpoints[0]} (saved config)", overrides)
     if change := first_change(from_dict(raw), config, FIXED_BY_CHECKPOINT):
         key, was, now = change
-        raise ValueError(f"predict overrides: {key} comes from the checkpoint ({was!r} in {checkpoints[0]}), "
+        raise ValueError(f"{key} comes from the checkpoint ({was!r} in {checkpoints[0]}), "
                          f"not from an override ({now!r}); it applies to training")
     flipped = None if work_pixels is None else work_pixels * len(TTA_FLIPS[config.predict.tta])
     compiling = resolve_compile(config.predict.compile, device, "predict.compile", flipped)

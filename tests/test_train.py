@@ -70,7 +70,7 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
         assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(tmp_path / "no.csv"),
                      "--device", "cpu", override]) == 2
         assert capsys.readouterr().err.strip() == (
-            f"cloudseg: error: predict overrides: {key} comes from the checkpoint ({was} in {run / 'best.pt'}), "
+            f"cloudseg: error: {key} comes from the checkpoint ({was} in {run / 'best.pt'}), "
             f"not from an override ({now}); it applies to training")
     assert not (tmp_path / "no.csv").exists()
     assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(run), "--device", "cpu"]) == 2
