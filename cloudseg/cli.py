@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = commands.add_parser("tune", help="search per-class threshold, min area and empty-mask gate on OOF probabilities")
     tune.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs with oof.npz (e.g. every fold)")
-    tune.add_argument("--out", help="default: postprocess.json beside the first run directory")
+    tune.add_argument("--out", help="default: RUN_DIR/postprocess.json for one run, where predict finds it; for "
+                                    "several, postprocess.json beside the first (make cv's pooled rule)")
     tune.set_defaults(run=run_tune)
 
     memory = commands.add_parser("memory", help="GPU memory of a training step and the micro-batch that fits each card")

@@ -43,10 +43,17 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     started = time.perf_counter()
     result = search_rule(probs, truth, current, classes8=classes)
     result.update(runs=[str(r) for r in run_dirs], seconds=time.perf_counter() - started)
-    out = Path(out) if out else Path(os.path.abspath(run_dirs[0])).parent / RULE_FILE  # `.`'s parent too, not `.`
+    out = Path(out) if out else default_rule_file(run_dirs)
     write_rule_file(result, out)
     result["path"] = str(out)
     return result
+
+
+def default_rule_file(run_dirs: list[str | Path]) -> Path:
+    """Where prediction looks for the rule of these runs (`predict.tuned_rule`): one run's in the
+    run (beside its best.pt), several runs' pooled one beside the first (make cv's CV_DIR)."""
+    first = Path(os.path.abspath(run_dirs[0]))  # `.`'s parent too, not `.`
+    return (first if len(run_dirs) == 1 else first.parent) / RULE_FILE
 
 
 def search_rule(probs8: np.ndarray, truth: np.ndarray, current, top_k: int = TOP_K,

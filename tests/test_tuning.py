@@ -18,7 +18,7 @@ from cloudseg.data import build_transform
 from cloudseg.metrics import dice
 from cloudseg.oof import read_oof, write_oof
 from cloudseg.postprocess import GATES, MIN_AREAS, RULE_KEYS, THRESHOLDS, grid_scores, postprocess, quantize, top_k_mean
-from cloudseg.predict import BLACK_LEVEL, no_data, predict_probs
+from cloudseg.predict import BLACK_LEVEL, no_data, predict_probs, tuned_rule
 from cloudseg.task import LABELS
 from cloudseg.tune import RuleSearch, search_rule, tune
 
@@ -106,6 +106,18 @@ def test_tune_run_from_inside_the_first_run_writes_beside_it(tmp_path, monkeypat
     assert main(["tune", ".", "../fold1"]) == 0
     assert own.read_text() == "{}"
     assert json.loads((tmp_path / "cv" / "postprocess.json").read_text())["images"] == 12
+
+
+def test_tune_on_one_run_writes_its_rule_where_predict_looks_for_it(tmp_path, capsys):
+    """`cloudseg tune RUN`: the rule goes in RUN, beside best.pt, where prediction looks for a
+    single checkpoint's (predict.tuned_rule). Would catch the rule written beside RUN, as for
+    several runs' pooled rule, where predict never finds it and says "run cloudseg tune"."""
+    probs8, truth = planted(12, threshold=0.59)
+    run = fake_run(tmp_path / "runs" / "one", [f"{i}.jpg" for i in range(12)], probs8, truth)
+    assert main(["tune", str(run)]) == 0
+    assert json.loads((run / "postprocess.json").read_text())["threshold"] == [0.59] * 4
+    assert not (tmp_path / "runs" / "postprocess.json").exists()
+    assert tuned_rule([str(run / "best.pt")], None) == (run / "postprocess.json").resolve()
 
 
 def test_untuned_rule_is_part_of_the_grid(tmp_path):
