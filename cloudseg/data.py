@@ -6,6 +6,7 @@ probabilities at 350×525 → post-process → submission.
 
 from __future__ import annotations
 
+import csv
 import io
 import random
 import warnings
@@ -63,19 +64,8 @@ def read_label_csv(path: str | Path, *, require_all_labels: bool = True,
     import pandas as pd  # here: pandas takes 0.3 s to import; a command without tables (segment) never does
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found")
-    # utf-8-sig drops a byte-order mark; \r\n line endings are read as \n. One read: the text
-    # also gives the rows' line numbers.
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {raw[error.start]:#04x}): save it as UTF-8") from None
-    if not text.strip():
-        raise ValueError(f"{path}: empty file; expected header '{ID_COLUMN},{RLE_COLUMN}' and a row per image and label")
-    frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)
+    text = csv_text(path, f"header '{ID_COLUMN},{RLE_COLUMN}' and a row per image and label")
+    frame = csv_frame(text, path, dtype=str, keep_default_na=False)
     missing = [c for c in (ID_COLUMN, RLE_COLUMN) if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; expected header '{ID_COLUMN},{RLE_COLUMN}'")
@@ -125,6 +115,48 @@ def read_train_csv(data_dir: str | Path, problems: list[Problem] | None = None) 
 def test_image_ids(data_dir: str | Path, problems: list[Problem] | None = None) -> list[str]:
     """Test image ids in the order of `sample_submission.csv`."""
     return read_label_csv(Path(data_dir) / SAMPLE_SUBMISSION_CSV, problems=problems).index.tolist()
+
+
+def csv_text(path: Path, expected: str) -> str:
+    """The text of the CSV file at `path`; a missing, non-UTF-8 or empty file is an error naming
+    it (and the line, and what it should hold: `expected`). A byte-order mark is dropped; \r\n
+    line endings read as \n. One read: the text also gives the rows' line numbers (`data_lines`)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {raw[error.start]:#04x}): save it as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"{path}: empty file; expected {expected}")
+    return text
+
+
+def csv_frame(text: str, path: Path, **options) -> pd.DataFrame:
+    """The CSV `text` of the file at `path` as pandas reads it with `options`. A row of more fields
+    than the header is an error naming its line: pandas names no file, or, where the first data
+    row has one more, takes the first column as an index and shifts every column by one."""
+    import pandas as pd
+
+    try:
+        frame = pd.read_csv(io.StringIO(text), **options)
+    except pd.errors.ParserError as error:
+        raise ValueError(overfull_row(text, path) or f"{path}: not a CSV file ({str(error).strip()})") from None
+    if not isinstance(frame.index, pd.RangeIndex):
+        raise ValueError(overfull_row(text, path) or f"{path}: its rows have more fields than its header")
+    return frame
+
+
+def overfull_row(text: str, path: Path) -> str | None:
+    """The first row of the CSV `text` with more fields than its header, told; None if none has."""
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, [])
+    for row in reader:
+        if len(row) > len(header):
+            return f"{path}, line {reader.line_num}: {len(row)} fields, where the header has {len(header)}"
+    return None
 
 
 def data_lines(text: str, rows: int) -> list[int]:
@@ -628,16 +660,33 @@ def load_folds(data_dir: str | Path, n_folds: int = 5, seed: int = 42,
         with atomic_path(path) as tmp:
             folds.rename_axis("image_id").to_csv(tmp)
         return folds
-    saved = pd.read_csv(path, dtype={"image_id": str}, encoding="utf-8-sig")
-    if list(saved.columns) != ["image_id", "fold"]:
-        raise ValueError(f"{path}: expected columns image_id,fold, got {','.join(saved.columns)}")
-    folds = saved.set_index("image_id")["fold"]
+    folds = read_folds_csv(path, n_folds)
     if not set(labels.index) <= set(folds.index) or folds.nunique() != n_folds:
         raise ValueError(
             f"{path} does not match {TRAIN_CSV} with {n_folds} folds "
             f"({len(folds)} images in {folds.nunique()} folds vs {len(labels)} images); delete it to re-split"
         )
     return folds.reindex(labels.index)
+
+
+def read_folds_csv(path: Path, n_folds: int) -> pd.Series:
+    """folds.csv as image id -> fold; a row without a whole fold number from 0 to n_folds - 1, or
+    an image on two rows, is an error naming its line (a blank fold left its image in every
+    fold's training, never validated)."""
+    text = csv_text(path, "header 'image_id,fold' and a row per training image")
+    saved = csv_frame(text, path, dtype=str, keep_default_na=False)
+    if list(saved.columns) != ["image_id", "fold"]:
+        raise ValueError(f"{path}: expected columns image_id,fold, got {','.join(saved.columns)}")
+    lines = data_lines(text, len(saved))
+    for line, image_id, fold in zip(lines, saved["image_id"], saved["fold"]):
+        if not (fold.strip().isascii() and fold.strip().isdigit() and int(fold) < n_folds):
+            raise ValueError(f"{path}, line {line} ({image_id}): fold {fold!r}; expected one of 0 to {n_folds - 1}: "
+                             "delete the file to re-split")
+    if (twice := saved["image_id"].duplicated(keep=False)).any():
+        image_id = saved["image_id"][twice].iloc[0]
+        where = [line for line, same in zip(lines, saved["image_id"] == image_id) if same]
+        raise ValueError(f"{path}: image {image_id} on lines {where}: delete the file to re-split")
+    return saved.set_index("image_id")["fold"].astype(int)
 
 
 def split_by_fold(folds: pd.Series, fold: int) -> tuple[list[str], list[str]]:

@@ -222,6 +222,25 @@ def test_an_empty_header_only_or_non_utf8_csv_is_one_line_naming_it(data, tmp_pa
     assert capsys.readouterr().err.startswith(f"cloudseg: error: {data / 'train.csv'}: ")
 
 
+@pytest.mark.parametrize("line", [2, 5])
+def test_a_row_with_more_fields_than_the_header_is_one_line_naming_it(data, capsys, line):
+    """An extra field on the first data row or a later one, in train.csv (check) and in a
+    submission (evaluate). Would catch: pandas taking the first column as an index when the first
+    data row has one more field (every column shifted: 'Image_Label <an RLE> is not of the form
+    <image>_<label>' on each row), or its "Expected 2 fields in line 5, saw 3" naming no file."""
+    for name, command in (("train.csv", ["check", "--data-dir", str(data), "--workers", "1"]),
+                          ("sample_submission.csv", ["evaluate", "--submission", str(data / "sample_submission.csv"),
+                                                     "--truth", str(data / "train.csv")])):
+        original = (data / name).read_text()
+        rows = original.splitlines()
+        rows[line - 1] += ",extra"
+        (data / name).write_text("\n".join(rows) + "\n")
+        assert main(command) in (1, 2)
+        captured = capsys.readouterr()
+        assert f"{data / name}, line {line}: 3 fields, where the header has 2" in captured.out + captured.err, name
+        (data / name).write_text(original)
+
+
 def test_byte_order_mark_and_windows_line_endings_simply_work(data, tmp_path, capsys):
     for name in ("train.csv", "sample_submission.csv"):
         text = (data / name).read_text()

@@ -351,6 +351,25 @@ def test_folds_are_saved_once_and_reused(data_copy):
         load_folds(data_copy, n_folds=4)
 
 
+@pytest.mark.parametrize("spoil, message", [
+    (lambda rows: [rows[0], rows[1].split(",")[0] + ",", *rows[2:]], r"line 2 \(\w+\.jpg\): fold ''; expected one of 0 to 2"),
+    (lambda rows: [rows[0], rows[1].split(",")[0] + ",7", *rows[2:]], r"line 2 \(\w+\.jpg\): fold '7'"),
+    (lambda rows: [rows[0], rows[1].split(",")[0] + ",1.5", *rows[2:]], r"line 2 \(\w+\.jpg\): fold '1.5'"),
+    (lambda rows: [*rows, rows[1]], r"image \w+\.jpg on lines \[2, \d+\]"),
+    (lambda rows: [rows[0], rows[1] + ",0", *rows[2:]], r"folds\.csv, line 2: 3 fields, where the header has 2"),
+    (lambda rows: [], r"folds\.csv: empty file"),
+])
+def test_a_spoilt_folds_csv_is_one_error_naming_its_line(data_copy, spoil, message):
+    """CPU. Would catch: a blank fold read as NaN, its image then in every fold's training and
+    never validated; a fold number no split has; an image on two rows (pandas' "cannot reindex on
+    an axis with duplicate labels"); pandas' own errors, which name no file."""
+    load_folds(data_copy, n_folds=3, seed=1)
+    path = data_copy / "folds.csv"
+    path.write_text("\n".join(spoil(path.read_text().splitlines())) + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_folds(data_copy, n_folds=3)
+
+
 def test_split_by_fold_holds_out_one_fold(tiny_data):
     folds = make_folds(read_train_csv(tiny_data), 3, seed=0)
     train_ids, valid_ids = split_by_fold(folds, 1)
