@@ -15,11 +15,12 @@ import threading
 import time
 from pathlib import Path
 
+from cloudseg.files import published_name
 from cloudseg.task import IMAGE_SHAPE, LABELS, TRAIN_CSV
 
-# A path of the wrong kind (a file where a folder goes, or the other way) is the user's too: one line naming it.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, KeyError,
-               RuntimeError)
+# What the machine refuses (a path of the wrong kind, a read-only folder, a full disk: OSError) is
+# the user's to mend too: one line naming it.
+USER_ERRORS = (ValueError, OSError, KeyError, RuntimeError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +110,10 @@ def exit_on_sigterm() -> None:
 
 
 def one_line(error: Exception) -> str:
-    """The message of a user error, without a traceback."""
+    """The message of a user error, without a traceback; an OSError's file named as the user knows
+    it (the file a hidden temporary was for, not the temporary)."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{published_name(Path(error.filename))}: {error.strerror}"
     text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
     if "Original Traceback" in text:  # re-raised from a DataLoader worker, its traceback in the message
         text = text.strip().splitlines()[-1].partition(": ")[2]

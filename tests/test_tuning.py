@@ -120,6 +120,26 @@ def test_tune_on_one_run_writes_its_rule_where_predict_looks_for_it(tmp_path, ca
     assert tuned_rule([str(run / "best.pt")], None) == (run / "postprocess.json").resolve()
 
 
+def test_a_folder_the_system_refuses_to_write_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """CPU; the temporary file's creation refused as on a read-only folder (EROFS: this may run as
+    root, whom a chmod does not stop). Would catch: an OSError outside the CLI's user errors (a
+    traceback, exit status 1), or its message naming the hidden temporary, not --out."""
+    import errno
+    import os
+
+    from cloudseg import files
+
+    probs8, truth = planted(4, threshold=0.5)
+    run = fake_run(tmp_path / "run", [f"{i}.jpg" for i in range(4)], probs8, truth)
+
+    def read_only(path, *args):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(files.os, "open", read_only)
+    assert main(["tune", str(run), "--out", str(tmp_path / "rule.json")]) == 2
+    assert capsys.readouterr().err.strip() == f"cloudseg: error: {tmp_path / 'rule.json'}: Read-only file system"
+
+
 def test_untuned_rule_is_part_of_the_grid(tmp_path):
     """A run whose own rule is off the grid is still scored exactly, so it can win where it is best."""
     probs8, truth = planted(12, threshold=0.5)
