@@ -439,6 +439,8 @@ def run_tune(args) -> None:
 def run_config(args) -> None:
     from cloudseg.config import describe, dump, load_config
 
+    if args.keys and args.overrides:
+        raise ValueError(f"cloudseg config --keys lists every key; it takes no overrides ({' '.join(args.overrides)})")
     print(describe() if args.keys else dump(load_config(args.config, args.overrides)), end="\n")
 
 

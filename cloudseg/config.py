@@ -309,16 +309,17 @@ def from_dict(raw: dict, source: str = "config", overrides: list[str] = ()) -> C
             key = ".".join(map(str, e["loc"])) or "config"
             problem = f"{key}: {e['msg'].removeprefix('Value error, ')}" + (
                 f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e["input"], dict) else "")
-            by_origin.setdefault(_setter(key, overrides) or source, []).append(problem)
+            by_origin.setdefault(_setter(key, problem, overrides) or source, []).append(problem)
         told = "; ".join(f"{origin}: {'; '.join(problems)}" for origin, problems in by_origin.items())
         raise ValueError(told.replace("Extra inputs are not permitted", "unknown key")) from None
 
 
-def _setter(key: str, overrides: list[str]) -> str | None:
-    """The last of `overrides` that set `key` or a section above it, as an error names it."""
+def _setter(key: str, problem: str, overrides: list[str]) -> str | None:
+    """The last of `overrides` that set `key` or a section above it, or, for a problem of a whole
+    section (keys that do not fit together), a key in it that `problem` names; as an error names it."""
     for override in reversed(overrides):
         name = override.partition("=")[0]
-        if key == name or key.startswith(f"{name}."):
+        if key == name or key.startswith(f"{name}.") or (name.startswith(f"{key}.") and name in problem):
             return f"override {override!r}"
     return None
 

@@ -1,5 +1,6 @@
 import json
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -308,6 +309,22 @@ def test_each_bad_key_is_told_as_the_override_that_set_it_or_else_the_file(tmp_p
         "override 'train.lr=-1': train.lr: Input should be greater than 0 (got -1); "
         "override 'train.lrr=0.1': train.lrr: unknown key; "
         "override 'predict.tta=x': predict.tta: Input should be 'none', 'hflip', 'hvflip' or 'd4-lite' (got 'x')")
+    # keys that do not fit together: the override the problem names, else the file
+    (tmp_path / "c.yaml").write_text("train:\n  effective_batch: 6\n  micro_batch: 4\n")
+    for overrides, origin in ((["train.epochs=3"], tmp_path / "c.yaml"),
+                              (["train.micro_batch=4", "train.effective_batch=10"], "override 'train.effective_batch=10'")):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(origin))}: train: train.effective_batch \\(\\d+\\) must be"):
+            load_config(tmp_path / "c.yaml", overrides)
+
+
+def test_config_keys_lists_every_key_and_refuses_overrides_it_would_ignore(capsys):
+    """Would catch: `cloudseg config --keys train.lrr=1` listing the keys, exit 0, the bad
+    override never looked at."""
+    assert main(["config", "--keys"]) == 0
+    assert "train.epochs = " in capsys.readouterr().out
+    assert main(["config", "--keys", "train.lrr=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "cloudseg: error: cloudseg config --keys lists every key; it takes no overrides (train.lrr=1)")
 
 
 def test_a_config_file_that_is_not_yaml_is_one_line_naming_it_and_the_line(tmp_path, capsys):
