@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 
@@ -25,9 +26,11 @@ class StopRequested(Exception):
 def stop_requests():
     """Within: SIGINT and SIGTERM ask the loops to stop after the current window or batch (a
     second SIGINT stops at once). Yields a function that says whether a stop was asked for."""
-    requested = []
+    requested, owner = [], os.getpid()
 
     def ask_to_stop(signum, frame):
+        if os.getpid() != owner:  # a DataLoader worker, forked with this handler: Ctrl-C reaches the whole group
+            return  # and the main process answers it (else each worker said the warning again)
         if requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if not requested:  # under torchrun the launcher passes the signal on too: say it once

@@ -1,5 +1,6 @@
 """SIGINT or SIGTERM finishes the window, saves a resumable checkpoint, and resume equals a straight run."""
 
+import os
 import re
 import signal
 
@@ -118,3 +119,23 @@ def test_fp16_resume_mid_epoch_restores_the_grad_scaler_and_continues_bit_exactl
     assert straight["scaler"] == resumed["scaler"]
     for name, tensor in straight["model"].items():
         assert torch.equal(tensor, resumed["model"][name]), name
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks as the DataLoader's workers are forked on Linux")
+def test_a_forked_worker_leaves_ctrl_c_to_the_process_that_asked(caplog):
+    """CPU. Ctrl-C reaches the terminal's whole process group: the DataLoader's workers, forked
+    with stop_requests' handler, got it too. Would catch: each worker taking it as its own stop
+    request (the 'finishing the current window' warning said once per worker: three times in
+    `make cv` with one worker), or the process that asked no longer stopping."""
+    from cloudseg.stopping import stop_requests
+
+    with stop_requests() as stop_requested:
+        child = os.fork()
+        if child == 0:  # the worker: exit 3 if it took the signal as a request of its own
+            os.kill(os.getpid(), signal.SIGINT)
+            os._exit(3 if stop_requested() else 0)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not stop_requested()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop_requested() and "finishing the current window" in caplog.text
