@@ -132,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     synth = commands.add_parser("synth", help="write a synthetic dataset in the Kaggle layout")
     synth.add_argument("--out", required=True, help="folder to write")
-    synth.add_argument("--n-train", type=int, default=64)
-    synth.add_argument("--n-test", type=int, default=16)
+    synth.add_argument("--n-train", type=positive_int, default=64)
+    synth.add_argument("--n-test", type=positive_int, default=16)
     synth.add_argument("--height", type=int, default=IMAGE_SHAPE[0])
     synth.add_argument("--width", type=int, default=IMAGE_SHAPE[1])
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=int_at_least(0), default=0)
     synth.set_defaults(run=run_synth)
 
     evaluate = commands.add_parser("evaluate", help="score a Kaggle-format submission against a truth file")
@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     folds = commands.add_parser("folds", help="make (once) and show the multilabel-stratified folds")
     folds.add_argument("--data-dir", required=True)
-    folds.add_argument("--n-folds", type=int, default=5)
-    folds.add_argument("--seed", type=int, default=42)
+    folds.add_argument("--n-folds", type=int_at_least(2), default=5)
+    folds.add_argument("--seed", type=int_at_least(0), default=42)
     folds.set_defaults(run=run_folds)
 
     check = commands.add_parser("check", help="read every CSV row and image as training would; report every problem")
@@ -271,12 +271,20 @@ def run_download(args) -> None:
     print(f"the Kaggle data is in {args.out}")
 
 
-def positive_int(text: str) -> int:
-    """argparse's type of a count that must be at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def int_at_least(low: int):
+    """argparse's type of a whole number of at least `low` (a count, a seed)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def run_synth(args) -> None:

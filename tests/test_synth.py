@@ -68,6 +68,24 @@ def test_cli_folds_reports_balance(tiny_data, tmp_path, capsys):
     assert (data / "folds.csv").is_file() and "Gravel" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command, message", [
+    (["synth", "--n-train", "-3"], "argument --n-train: must be at least 1, got -3"),
+    (["synth", "--n-test", "0"], "argument --n-test: must be at least 1, got 0"),
+    (["synth", "--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    (["folds", "--n-folds", "1"], "argument --n-folds: must be at least 2, got 1"),
+    (["folds", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+])
+def test_counts_and_seeds_out_of_range_are_refused_naming_the_option(tmp_path, capsys, command, message):
+    """Would catch: synth writing -3 images ('wrote -3 train and 2 test images', exit 0) or a
+    dataset of a header alone, NumPy's 'expected non-negative integer', or scikit-learn's
+    'n_splits=2 or more' naming no option."""
+    where = ["--out", str(tmp_path / "s")] if command[0] == "synth" else ["--data-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*command[:1], *where, *command[1:]])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_synth_never_writes_over_a_dataset_and_an_unwritten_image_leaves_it_unfinished(tmp_path, capsys):
     """`cloudseg synth --out` a folder with a train.csv: refused in one line, nothing changed. A
     library call over an old dataset whose first image cannot be written (a folder in its way):
