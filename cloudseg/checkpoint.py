@@ -101,6 +101,8 @@ def fingerprint(state: dict) -> str:
 def torch_load(path: str | Path, *, weights_only: bool):
     """torch.load on CPU; errors are one line naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: a folder, not a checkpoint; name the file (a run's is {path / 'best.pt'})")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: checkpoint not found")
     try:

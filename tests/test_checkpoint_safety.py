@@ -198,3 +198,17 @@ def test_a_file_that_is_no_checkpoint_is_called_unreadable_not_dangerous(tmp_pat
         with pytest.raises(ValueError, match=rf"{name}: not a readable checkpoint") as raised:
             load_checkpoint(path)
         assert not isinstance(raised.value, UnsafeCheckpoint)
+
+
+@pytest.mark.parametrize("command", ["predict", "oof", "swa"])
+def test_a_run_folder_given_as_a_checkpoint_names_the_file_to_give(tmp_path, capsys, command):
+    """Would catch: 'checkpoint not found' for a folder that is there (the user gave the run, not
+    its best.pt)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    argv = {"predict": ["predict", "--checkpoint", str(run), "--out", str(tmp_path / "submission.csv")],
+            "oof": ["oof", "--checkpoint", str(run)],
+            "swa": ["swa", str(run), str(run), "--out", str(tmp_path / "swa.pt")]}[command]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"cloudseg: error: {run}: a folder, not a checkpoint; name the file (a run's is {run / 'best.pt'})")
