@@ -435,7 +435,7 @@ def run_swa(args) -> None:
     from cloudseg.hardware import resolve_device
     from cloudseg.swa import swa
 
-    print(f"wrote {swa(args.checkpoints, args.out, resolve_device(args.device))}")
+    print(f"wrote {swa(args.checkpoints, args.out, resolve_device(args.device, '--device'))}")
 
 
 def run_tune(args) -> None:

@@ -59,16 +59,17 @@ def usable_cores() -> int:
     return max(1, cores // max(1, int(processes) if processes.isdigit() else 1))
 
 
-def resolve_device(name: str) -> torch.device:
-    """`auto` -> cuda when PyTorch can use a GPU, else cpu; a GPU this build has no kernels for is an error.
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """`auto` -> cuda when PyTorch can use a GPU, else cpu; a GPU this build has no kernels for is an
+    error, as is cuda without a GPU (naming `option`, what the user set: a config key or a flag).
 
     A CUDA device always carries its index (the current GPU's when none is named): some
     torch.cuda calls refuse `torch.device("cuda")` without one (set_per_process_memory_fraction)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but PyTorch sees no CUDA GPU; `cloudseg doctor` says why "
-                         "(or set train.device=cpu)")
+        given = f"{option} " if option.startswith("--") else f"{option}="  # a flag or a config key
+        raise ValueError(f"{given}cuda but PyTorch sees no CUDA GPU; `cloudseg doctor` says why (or give {given}cpu)")
     device = torch.device(name)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)

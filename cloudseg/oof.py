@@ -88,7 +88,7 @@ def read_oof(path: str | Path, with_classes: bool = False):
 def oof_from_checkpoint(checkpoint: str | Path, out: str | Path | None = None, device: str = "auto") -> Path:
     """`cloudseg oof`: the held-out fold of a checkpoint's run, written beside it by default,
     computed on `device` (auto, cpu or cuda)."""
-    device = resolve_device(device)
+    device = resolve_device(device, "--device")
     speed_switches(device, inference=True)
     model, config = load_model(checkpoint, device)
     out = Path(out) if out else Path(checkpoint).parent / OOF_FILE

@@ -194,7 +194,7 @@ def load_ensemble(checkpoints: list[str], postprocess_file: str | None, override
     `work_pixels`: the pixels of the images the call will predict, when known; predict.compile=auto
     then compiles only where they, times the test-time flips, repay it (compiled.resolve_compile)."""
     rule_file = tuned_rule(checkpoints, postprocess_file)
-    device = resolve_device(device)
+    device = resolve_device(device, "--device")
     speed_switches(device, inference=True)
     loaded = [load_model(path, device) for path in checkpoints]
     for path, (_, other) in zip(checkpoints[1:], loaded[1:]):

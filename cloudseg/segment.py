@@ -849,7 +849,7 @@ def opencv_threads(count: int):
 def process_device(device: str) -> torch.device:
     """`device` (auto, cpu, cuda) resolved; under torchrun, this process's GPU (shared where there are
     more processes than GPUs: each a Python of its own, for the pipeline's CPU work), in the process group."""
-    return distributed.start(resolve_device(device), share_gpus=True)
+    return distributed.start(resolve_device(device, "--device"), share_gpus=True)
 
 
 def window_size(ensemble: Ensemble, tile: tuple[int, int] | None, checkpoint: str) -> tuple[int, int]:

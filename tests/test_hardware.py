@@ -148,11 +148,16 @@ def test_a_gpu_without_kernels_is_refused_with_the_fix(fake_cuda):
     assert resolve_device("auto") == torch.device("cuda", 0)
 
 
-def test_cuda_without_a_gpu_points_to_doctor(fake_cuda):
+def test_cuda_without_a_gpu_points_to_doctor_and_names_what_the_user_set(fake_cuda, capsys):
+    """CPU, no GPU faked. Would catch: `cloudseg oof --device cuda` told to set train.device, which
+    it does not read."""
     fake_cuda()
     assert resolve_device("auto") == CPU
-    with pytest.raises(ValueError, match="cloudseg doctor"):
+    with pytest.raises(ValueError, match=r"^train\.device=cuda but .*cloudseg doctor.*\(or give train\.device=cpu\)$"):
         resolve_device("cuda")
+    assert main(["oof", "--checkpoint", "any.pt", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip() == ("cloudseg: error: --device cuda but PyTorch sees no CUDA GPU; "
+                                               "`cloudseg doctor` says why (or give --device cpu)")
 
 
 def test_no_silent_cpu_for_large_images():
