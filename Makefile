@@ -206,6 +206,7 @@ cv: $(STAMP)
 	$(MAKE) --no-print-directory tune
 
 tune: $(STAMP)
+	@if [ -z "$(wildcard $(CV_DIR)/fold*)" ]; then echo "make tune: no $(CV_DIR)/fold* (run make cv)"; exit 1; fi
 	$(PY) -m cloudseg tune $(wildcard $(CV_DIR)/fold*) --out $(CV_DIR)/postprocess.json
 
 submit: $(STAMP)

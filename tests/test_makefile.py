@@ -56,6 +56,16 @@ def test_predict_without_any_best_checkpoint_names_the_problem(project):
     assert result.returncode != 0 and "make predict: no run with best.pt" in result.stdout
 
 
+@pytest.mark.parametrize("target", ["tune", "submit"])
+def test_tune_and_submit_without_folds_name_the_problem(project, target):
+    """Catches `make tune` handing cloudseg tune no run (argparse's usage and 'the following
+    arguments are required: RUN_DIR')."""
+    result = subprocess.run(["make", "-f", str(MAKEFILE), "-C", str(project), "--no-print-directory", target,
+                             "CV_DIR=runs/none"], capture_output=True, text=True)
+    assert result.returncode != 0 and f"make {target}: no runs/none/fold" in result.stdout
+    assert "usage:" not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("target", ["test-gpu", "test-gpu-all"])
 def test_test_gpu_without_cuda_says_so_and_fails(project, target):
     """CUDA hidden from PyTorch (on any machine). Catches `make test-gpu` (or its whole tier)
