@@ -44,11 +44,11 @@ def parse(rle) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     text = str(rle)
     tokens = text.split()
+    if NOT_RLE_CHARACTER.search(text):  # before the count: a lone "NaN" is not one value short
+        raise ValueError(f"RLE has a non-integer value {_first_non_integer(tokens)!r}")
     if len(tokens) % 2:
         raise ValueError(f"RLE has an odd number of values ({len(tokens)}); expected 'start length' pairs")
     try:
-        if NOT_RLE_CHARACTER.search(text):
-            raise ValueError(text)
         values = np.array(tokens, dtype=np.int64)
     except (ValueError, OverflowError):
         raise ValueError(f"RLE has a non-integer value {_first_non_integer(tokens)!r}") from None
