@@ -469,11 +469,12 @@ def report(config: Config, micro_batch: int, device) -> str:
                      f"{outside / gib:>9.2f}{step.peak(micro_batch) / gib:>9.2f}")
     lines += ["(outside: outside PyTorch's allocator, assumed: cuDNN's and cuBLAS's kernels, and nvJPEG's buffers "
               "where data.decode is gpu; docs/memory-and-gpus.md)",
-              "", f"largest micro-batch that fits, keeping {SAFETY_MARGIN:.0%} free (0 = none)",
-              f"{'checkpointing':<14}" + "".join(f"{f'{gb} GB':>9}" for gb in CARDS_GB)]
-    for mode, step in steps.items():
-        lines.append(f"{mode:<14}" + "".join(f"{step.largest_micro_batch(gb * 1e9):>9}" for gb in CARDS_GB))
-    lines.append(f"{'auto picks':<14}" + "".join(f"{auto_choice(steps, micro_batch, gb * 1e9):>9}" for gb in CARDS_GB))
+              "", f"largest micro-batch that fits, keeping {SAFETY_MARGIN:.0%} free (0 = none)"]
+    rows = {"checkpointing": [f"{gb} GB" for gb in CARDS_GB]}
+    rows.update({mode: [str(step.largest_micro_batch(gb * 1e9)) for gb in CARDS_GB] for mode, step in steps.items()})
+    rows["auto picks"] = [auto_choice(steps, micro_batch, gb * 1e9) for gb in CARDS_GB]
+    width = max(9, 1 + max(len(cell) for cells in rows.values() for cell in cells))  # full/12101 and the like
+    lines += [f"{name:<14}" + "".join(f"{cell:>{width}}" for cell in cells) for name, cells in rows.items()]
     lines.append(f"(auto picks: what train.checkpointing=auto chooses for micro-batch {micro_batch}; "
                  "full/N: even full needs micro-batch N)")
     return "\n".join(lines)

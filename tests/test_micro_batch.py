@@ -116,6 +116,22 @@ def test_memory_command_runs_on_cpu_for_the_demo_config(capsys):
     assert "80 GB" in out and "11 GB" in out
 
 
+def test_the_fit_table_keeps_its_columns_apart_when_a_cell_is_wide(capsys):
+    """CPU, a micro-batch no card fits: every 'auto picks' cell is full/N. Would catch cells of
+    ten characters in columns of nine ('full/1682full/2294...'), a table no one can read."""
+    assert main(["memory", "-c", "configs/demo.yaml", "--micro-batch", "100000", "data.image_size=[64,96]",
+                 "train.device=cpu"]) == 0
+    table = capsys.readouterr().out.split("largest micro-batch that fits")[1].splitlines()[1:6]
+    cells = [line[14:].split() for line in table]
+    assert [len(row) for row in cells] == [14, 7, 7, 7, 7]  # the header's "6 GB" is two words
+    assert all(cell.startswith("full/") for cell in cells[4])
+
+    def ends(line):  # the columns where the row's cells end (right-aligned: the table's columns)
+        return {i for i, char in enumerate(line) if i >= 14 and char != " " and line[i + 1:i + 2] in ("", " ")}
+
+    assert ends(table[1]) == ends(table[2]) == ends(table[3]) == ends(table[4]) <= ends(table[0])
+
+
 def test_the_retry_frees_the_failed_attempt_s_tensors_before_emptying_the_cache(monkeypatch):
     """On the CPU, the cache's release replaced by a probe: when the retry returns cached memory,
     a tensor that the failed forward held (as activations are held by the error's traceback)
