@@ -309,11 +309,14 @@ def run_metrics(run_dir: str | Path) -> pd.DataFrame:
 
 
 def tuned_rule(run_dir: str | Path) -> dict | None:
-    """The postprocess.json beside a fold's run directory (written by `make cv`), or None."""
-    from cloudseg.postprocess import read_rule_file
+    """The pooled postprocess.json beside a fold's run directory (`make cv`'s), else the run's own
+    (every run tunes itself; `cloudseg tune RUN` again), or None."""
+    from cloudseg.postprocess import RULE_FILE, read_rule_file
 
-    path = Path(run_dir).parent / "postprocess.json"
-    return read_rule_file(path) if path.is_file() else None
+    for path in (Path(run_dir).parent / RULE_FILE, Path(run_dir) / RULE_FILE):
+        if path.is_file():
+            return read_rule_file(path)
+    return None
 
 
 # ---------------------------------------------------------------------------------- segment (satellite scenes)

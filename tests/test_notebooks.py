@@ -40,7 +40,7 @@ def test_notebooks_execute_on_a_tiny_synthetic_dataset(tiny_data, tmp_path, monk
     data = shutil.copytree(tiny_data, tmp_path / "data")
     run = tmp_path / "runs" / "fold0"
     train(load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, "train.epochs=1"]), run)
-    tune([run])  # writes runs/postprocess.json, which the results notebook shows
+    tune([run])  # the run's postprocess.json again (training wrote it), which the results notebook shows
     monkeypatch.setenv("CLOUDSEG_DATA", str(data))
     monkeypatch.setenv("CLOUDSEG_RUN", str(run))
     monkeypatch.setenv("CLOUDSEG_SEGMENT_OUT", str(tmp_path / "segment"))  # 03_segment's scenes and maps
