@@ -87,6 +87,7 @@ def test_default_shape_is_native_kaggle_size():
         ("\uff15 1", "non-integer value '\uff15'"),  # a fullwidth 5
         ("1 2 1-2 3", "non-integer value '1-2'"),
         ("NaN", "non-integer value 'NaN'"),  # a spreadsheet's empty cell, not "an odd number of values"
+        ("1 2\u00a0\uff15 1", "non-integer value '\uff15'"),  # non-ASCII text: the regular expression's path
         ("0 3", "start 0"),
         ("-2 3", "start -2"),
         ("4 0", "length 0"),
