@@ -152,10 +152,13 @@ def csv_frame(text: str, path: Path, **options) -> pd.DataFrame:
 def overfull_row(text: str, path: Path) -> str | None:
     """The first row of the CSV `text` with more fields than its header, told; None if none has."""
     reader = csv.reader(io.StringIO(text))
-    header = next(reader, [])
-    for row in reader:
-        if len(row) > len(header):
-            return f"{path}, line {reader.line_num}: {len(row)} fields, where the header has {len(header)}"
+    try:
+        header = next(reader, [])
+        for row in reader:
+            if len(row) > len(header):
+                return f"{path}, line {reader.line_num}: {len(row)} fields, where the header has {len(header)}"
+    except csv.Error:  # a field over the csv module's limit (131,072 characters): an RLE of 10,000 runs or more
+        return None
     return None
 
 
@@ -660,27 +663,27 @@ def load_folds(data_dir: str | Path, n_folds: int = 5, seed: int = 42,
         with atomic_path(path) as tmp:
             folds.rename_axis("image_id").to_csv(tmp)
         return folds
-    folds = read_folds_csv(path, n_folds)
-    if not set(labels.index) <= set(folds.index) or folds.nunique() != n_folds:
+    folds = read_folds_csv(path)
+    if not set(labels.index) <= set(folds.index) or set(folds) != set(range(n_folds)):
         raise ValueError(
-            f"{path} does not match {TRAIN_CSV} with {n_folds} folds "
-            f"({len(folds)} images in {folds.nunique()} folds vs {len(labels)} images); delete it to re-split"
+            f"{path} does not match {TRAIN_CSV} with {n_folds} folds ({len(folds)} images in folds "
+            f"{','.join(map(str, sorted(set(folds))))} vs {len(labels)} images); delete it to re-split"
         )
     return folds.reindex(labels.index)
 
 
-def read_folds_csv(path: Path, n_folds: int) -> pd.Series:
-    """folds.csv as image id -> fold; a row without a whole fold number from 0 to n_folds - 1, or
-    an image on two rows, is an error naming its line (a blank fold left its image in every
-    fold's training, never validated)."""
+def read_folds_csv(path: Path) -> pd.Series:
+    """folds.csv as image id -> fold; a row without a whole fold number, or an image on two rows,
+    is an error naming its line (a blank fold left its image in every fold's training, never
+    validated). Which folds there must be is `load_folds`' to say."""
     text = csv_text(path, "header 'image_id,fold' and a row per training image")
     saved = csv_frame(text, path, dtype=str, keep_default_na=False)
     if list(saved.columns) != ["image_id", "fold"]:
         raise ValueError(f"{path}: expected columns image_id,fold, got {','.join(saved.columns)}")
     lines = data_lines(text, len(saved))
     for line, image_id, fold in zip(lines, saved["image_id"], saved["fold"]):
-        if not (fold.strip().isascii() and fold.strip().isdigit() and int(fold) < n_folds):
-            raise ValueError(f"{path}, line {line} ({image_id}): fold {fold!r}; expected one of 0 to {n_folds - 1}: "
+        if not (fold.strip().isascii() and fold.strip().isdigit()):
+            raise ValueError(f"{path}, line {line} ({image_id}): fold {fold!r}, not a whole number from 0: "
                              "delete the file to re-split")
     if (twice := saved["image_id"].duplicated(keep=False)).any():
         image_id = saved["image_id"][twice].iloc[0]

@@ -347,22 +347,25 @@ def test_folds_are_saved_once_and_reused(data_copy):
     first = load_folds(data_copy, n_folds=3, seed=1)
     assert (data_copy / "folds.csv").is_file()
     assert load_folds(data_copy, n_folds=3, seed=999).equals(first)  # the saved split wins
-    with pytest.raises(ValueError, match="folds.csv does not match"):
-        load_folds(data_copy, n_folds=4)
+    for other in (4, 2):  # more folds, and fewer (a row of fold 2 is no damaged row: the file was made for 3)
+        with pytest.raises(ValueError, match=f"folds.csv does not match train.csv with {other} folds"):
+            load_folds(data_copy, n_folds=other)
 
 
 @pytest.mark.parametrize("spoil, message", [
-    (lambda rows: [rows[0], rows[1].split(",")[0] + ",", *rows[2:]], r"line 2 \(\w+\.jpg\): fold ''; expected one of 0 to 2"),
-    (lambda rows: [rows[0], rows[1].split(",")[0] + ",7", *rows[2:]], r"line 2 \(\w+\.jpg\): fold '7'"),
-    (lambda rows: [rows[0], rows[1].split(",")[0] + ",1.5", *rows[2:]], r"line 2 \(\w+\.jpg\): fold '1.5'"),
+    (lambda rows: [rows[0], rows[1].split(",")[0] + ",", *rows[2:]], r"line 2 \(\w+\.jpg\): fold '', not a whole"),
+    (lambda rows: [rows[0], rows[1].split(",")[0] + ",1.5", *rows[2:]], r"line 2 \(\w+\.jpg\): fold '1.5', not a"),
+    (lambda rows: [rows[0], *[row.replace(",0", ",7") for row in rows[1:]]],  # the three folds 1, 2, 7
+     r"does not match train.csv with 3 folds \(\d+ images in folds 1,2,7 vs"),
     (lambda rows: [*rows, rows[1]], r"image \w+\.jpg on lines \[2, \d+\]"),
     (lambda rows: [rows[0], rows[1] + ",0", *rows[2:]], r"folds\.csv, line 2: 3 fields, where the header has 2"),
     (lambda rows: [], r"folds\.csv: empty file"),
 ])
 def test_a_spoilt_folds_csv_is_one_error_naming_its_line(data_copy, spoil, message):
     """CPU. Would catch: a blank fold read as NaN, its image then in every fold's training and
-    never validated; a fold number no split has; an image on two rows (pandas' "cannot reindex on
-    an axis with duplicate labels"); pandas' own errors, which name no file."""
+    never validated; three folds of which one no split asks for (1, 2, 7: 'fold 0 does not
+    exist' only once a run asked); an image on two rows (pandas' "cannot reindex on an axis with
+    duplicate labels"); pandas' own errors, which name no file."""
     load_folds(data_copy, n_folds=3, seed=1)
     path = data_copy / "folds.csv"
     path.write_text("\n".join(spoil(path.read_text().splitlines())) + "\n")
