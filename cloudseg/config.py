@@ -8,6 +8,8 @@ directory and inside every checkpoint, so inference needs no config file.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -309,17 +311,20 @@ def from_dict(raw: dict, source: str = "config", overrides: list[str] = ()) -> C
             key = ".".join(map(str, e["loc"])) or "config"
             problem = f"{key}: {e['msg'].removeprefix('Value error, ')}" + (
                 f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e["input"], dict) else "")
-            by_origin.setdefault(_setter(key, problem, overrides) or source, []).append(problem)
+            origin = _setter(key, problem if e["type"] != "extra_forbidden" else None, overrides)
+            by_origin.setdefault(origin or source, []).append(problem)
         told = "; ".join(f"{origin}: {'; '.join(problems)}" for origin, problems in by_origin.items())
         raise ValueError(told.replace("Extra inputs are not permitted", "unknown key")) from None
 
 
-def _setter(key: str, problem: str, overrides: list[str]) -> str | None:
-    """The last of `overrides` that set `key` or a section above it, or, for a problem of a whole
-    section (keys that do not fit together), a key in it that `problem` names; as an error names it."""
+def _setter(key: str, problem: str | None, overrides: list[str]) -> str | None:
+    """The last of `overrides` that set `key` or a section above it, or a key inside `key`: an
+    unknown section it made (`problem` None: `trian.lr=0.1` is told at `trian`), or one that the
+    problem of a whole section (keys that do not fit together) names; as an error names it."""
     for override in reversed(overrides):
         name = override.partition("=")[0]
-        if key == name or key.startswith(f"{name}.") or (name.startswith(f"{key}.") and name in problem):
+        inside = name.startswith(f"{key}.") and (problem is None or re.search(rf"\b{re.escape(name)}\b", problem))
+        if key == name or key.startswith(f"{name}.") or inside:
             return f"override {override!r}"
     return None
 

@@ -315,6 +315,9 @@ def test_each_bad_key_is_told_as_the_override_that_set_it_or_else_the_file(tmp_p
                               (["train.micro_batch=4", "train.effective_batch=10"], "override 'train.effective_batch=10'")):
         with pytest.raises(ValueError, match=f"^{re.escape(str(origin))}: train: train.effective_batch \\(\\d+\\) must be"):
             load_config(tmp_path / "c.yaml", overrides)
+    # a typo in the section: pydantic tells it at the section the override made
+    with pytest.raises(ValueError, match=r"^override 'trian\.lr=0\.1': trian: unknown key$"):
+        load_config(tmp_path / "c.yaml", ["train.effective_batch=8", "trian.lr=0.1"])
 
 
 def test_config_keys_lists_every_key_and_refuses_overrides_it_would_ignore(capsys):
