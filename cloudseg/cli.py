@@ -112,7 +112,7 @@ def exit_on_sigterm() -> None:
 def one_line(error: Exception) -> str:
     """The message of a user error, without a traceback; an OSError's file named as the user knows
     it (the file a hidden temporary was for, not the temporary)."""
-    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+    if isinstance(error, OSError) and isinstance(error.filename, (str, os.PathLike)) and error.strerror:  # not an fd
         return f"{published_name(Path(error.filename))}: {error.strerror}"
     text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
     if "Original Traceback" in text:  # re-raised from a DataLoader worker, its traceback in the message

@@ -138,6 +138,9 @@ def test_a_folder_the_system_refuses_to_write_is_one_line_naming_the_file(tmp_pa
     monkeypatch.setattr(files.os, "open", read_only)
     assert main(["tune", str(run), "--out", str(tmp_path / "rule.json")]) == 2
     assert capsys.readouterr().err.strip() == f"cloudseg: error: {tmp_path / 'rule.json'}: Read-only file system"
+    from cloudseg.cli import one_line  # an error of a file descriptor: its number, not a path, kept as Python says it
+
+    assert one_line(OSError(errno.EBADF, os.strerror(errno.EBADF), 999)) == "[Errno 9] Bad file descriptor: 999"
 
 
 def test_untuned_rule_is_part_of_the_grid(tmp_path):
