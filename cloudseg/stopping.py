@@ -26,11 +26,14 @@ class StopRequested(Exception):
 def stop_requests():
     """Within: SIGINT and SIGTERM ask the loops to stop after the current window or batch (a
     second SIGINT stops at once). Yields a function that says whether a stop was asked for."""
-    requested, owner = [], os.getpid()
+    requested, owner, in_worker = [], os.getpid(), []
 
     def ask_to_stop(signum, frame):
-        if os.getpid() != owner:  # a DataLoader worker, forked with this handler: Ctrl-C reaches the whole group
-            return  # and the main process answers it (else each worker said the warning again)
+        if os.getpid() != owner:  # a DataLoader worker, forked with this handler: Ctrl-C reaches the whole group,
+            in_worker.append(signum)  # and the main process answers the first (else each worker said the warning)
+            if in_worker.count(signal.SIGINT) > 1:  # the second stops the worker too, as it stops the main process
+                raise KeyboardInterrupt
+            return
         if requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if not requested:  # under torchrun the launcher passes the signal on too: say it once
