@@ -6,6 +6,7 @@ Notebooks only call these; they define no logic of their own.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -309,11 +310,14 @@ def run_metrics(run_dir: str | Path) -> pd.DataFrame:
 
 
 def tuned_rule(run_dir: str | Path) -> dict | None:
-    """The pooled postprocess.json beside a fold's run directory (`make cv`'s), else the run's own
-    (every run tunes itself; `cloudseg tune RUN` again), or None."""
+    """The run's own postprocess.json (every run tunes itself; `cloudseg tune RUN` again), what
+    `cloudseg predict` applies to its best.pt; else, for a fold of `make cv` (CV_DIR/foldK), the
+    pooled one beside it; else None."""
     from cloudseg.postprocess import RULE_FILE, read_rule_file
 
-    for path in (Path(run_dir).parent / RULE_FILE, Path(run_dir) / RULE_FILE):
+    run_dir = Path(run_dir).resolve()
+    pooled = [run_dir.parent / RULE_FILE] if re.fullmatch(r"fold\d+", run_dir.name) else []
+    for path in (run_dir / RULE_FILE, *pooled):
         if path.is_file():
             return read_rule_file(path)
     return None

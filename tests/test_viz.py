@@ -99,3 +99,25 @@ def test_the_masks_segment_wrote_as_class_bits_read_back_with_no_data_as_no_clas
     np.testing.assert_array_equal(masks, expected)
     with pytest.raises(FileNotFoundError, match="other_masks.png: no masks of cloudseg segment"):
         written_masks(tmp_path / "other.png", out)
+
+
+def test_the_rule_shown_is_the_one_predict_applies_to_the_run(tmp_path):
+    """CPU. Would catch: a postprocess.json beside any run taken as its rule (`cloudseg tune RUN`
+    wrote one beside the run before it wrote into it: runs/postprocess.json, stale, shown for every
+    run in runs/ while predict applies each run's own), or a fold of make cv not shown its pooled one."""
+    import json
+
+    from cloudseg.viz import tuned_rule
+
+    def rule(path, threshold):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"threshold": [threshold] * 4, "min_area": [0] * 4, "gate": [0.0] * 4}))
+
+    rule(tmp_path / "runs" / "postprocess.json", 0.1)  # stale, beside two runs
+    (tmp_path / "runs" / "a").mkdir()
+    assert tuned_rule(tmp_path / "runs" / "a") is None
+    rule(tmp_path / "runs" / "a" / "postprocess.json", 0.2)
+    assert tuned_rule(tmp_path / "runs" / "a")["threshold"] == [0.2] * 4
+    rule(tmp_path / "cv" / "postprocess.json", 0.3)  # make cv's pooled rule, its fold without one of its own
+    (tmp_path / "cv" / "fold0").mkdir()
+    assert tuned_rule(tmp_path / "cv" / "fold0")["threshold"] == [0.3] * 4
