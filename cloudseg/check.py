@@ -11,9 +11,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cloudseg.data import CloudDataset, Problem, most_common_size
+from cloudseg.data import CloudDataset, Problem, most_common_size, read_folds_csv
 from cloudseg.hardware import usable_cores
-from cloudseg.task import IMAGE_SHAPE
+from cloudseg.task import FOLDS_CSV, IMAGE_SHAPE
 
 
 def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = None,
@@ -21,7 +21,8 @@ def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = Non
     """(problems, summary lines) for the Kaggle-layout folder `data_dir`.
 
     Each split's CSV rows and images go through `CloudDataset` in skip mode, so every bad
-    row and every unreadable, grayscale/CMYK or wrongly sized image is one Problem. The
+    row and every unreadable, grayscale/CMYK or wrongly sized image is one Problem, as is a
+    damaged row of folds.csv where there is one. The
     expected size is `image_size`, or else the size most image headers give. Images are read on
     `workers` threads (default: the cores this process may use).
     """
@@ -33,6 +34,11 @@ def check_dataset(data_dir: str | Path, image_size: tuple[int, int] | None = Non
         try:
             splits[split] = CloudDataset(data_dir, split, on_bad_sample="skip")
         except (ValueError, FileNotFoundError) as error:  # a missing CSV or a wrong header
+            problems.append(Problem("", str(error)))
+    if (data_dir / FOLDS_CSV).is_file():  # its rows; whether its folds suit a config is training's to say
+        try:
+            read_folds_csv(data_dir / FOLDS_CSV)
+        except ValueError as error:
             problems.append(Problem("", str(error)))
     all_images = (dataset.image_dir / image_id for dataset in splits.values() for image_id in dataset.image_ids)
     image_size = tuple(image_size or most_common_size(all_images) or IMAGE_SHAPE)

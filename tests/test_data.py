@@ -373,6 +373,19 @@ def test_a_spoilt_folds_csv_is_one_error_naming_its_line(data_copy, spoil, messa
         load_folds(data_copy, n_folds=3)
 
 
+def test_check_reports_a_damaged_folds_csv(data_copy, capsys):
+    """CPU. Would catch `cloudseg check` saying "no problems found" of a folds.csv that training
+    then refuses (data-errors.md says check reports every error of its table)."""
+    from cloudseg.cli import main
+
+    load_folds(data_copy, n_folds=3, seed=1)
+    rows = (data_copy / "folds.csv").read_text().splitlines()
+    rows[2] = rows[2].split(",")[0] + ",x"
+    (data_copy / "folds.csv").write_text("\n".join(rows) + "\n")
+    assert main(["check", "--data-dir", str(data_copy), "--workers", "1"]) == 1
+    assert f"{data_copy / 'folds.csv'}, line 3 (" in capsys.readouterr().out
+
+
 def test_split_by_fold_holds_out_one_fold(tiny_data):
     folds = make_folds(read_train_csv(tiny_data), 3, seed=0)
     train_ids, valid_ids = split_by_fold(folds, 1)
