@@ -60,6 +60,7 @@ help:
 	@echo "make predict   RUN's best.pt (default: the newest run with one) -> $(SUBMISSION), scored when the data has a solution"
 	@echo "make cv        train every fold in FOLDS into CV_DIR/foldK, then tune on their OOF probabilities"
 	@echo "               (demo without data/kaggle: folds 0 and 1 of the synthetic data)"
+	@echo "make tune      cloudseg tune on every CV_DIR/fold* -> CV_DIR/postprocess.json (make cv runs it)"
 	@echo "make submit    all folds of CV_DIR + postprocess.json -> $(SUBMISSION), scored when possible"
 	@echo "make data      the kaggle extra into .venv, then the Kaggle data into DATA (needs Kaggle API credentials)"
 	@echo "make tensorboard  TensorBoard on runs/ (every run logs to RUN/tb)"
@@ -76,6 +77,7 @@ help:
 	@echo "make bench     on a GPU: the GPU figures in bench/report.md (a 6-minute budget; BENCH_ARGS='--parts segment', --candidates ...);"
 	@echo "               on a CPU: the tables of the RLE codec, tuning, training and inference speed, segment"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
+	@echo "make clean     remove .venv, .venv-oldest, .tools and .pytest_cache"
 
 install: $(STAMP)
 

@@ -1,5 +1,6 @@
 """The `cloudseg` command line: one subcommand per stretch of the data path (check, train,
-oof, tune, predict, evaluate) and the tools around it (download, synth, folds, memory, show, config)."""
+oof, tune, predict, evaluate), mapping scenes (segment) and the tools around them (download, synth,
+folds, swa, memory, show, config, doctor, convert-checkpoint)."""
 
 from __future__ import annotations
 

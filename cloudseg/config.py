@@ -37,7 +37,8 @@ class Section(BaseModel):
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(item, bool) for item in values) and not takes(annotation, bool):
             raise ValueError("give a number, not true or false" if takes(annotation, int, float) else
-                             "YAML reads off, on, yes and no as false and true: quote the word, e.g. 'off'")
+                             "YAML reads off, on, yes and no as false and true: quote the word, in quotes the shell "
+                             "keeps, e.g. \"train.speedups.autotune='off'\"")
         return value
 
 
