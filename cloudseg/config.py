@@ -9,7 +9,6 @@ directory and inside every checkpoint, so inference needs no config file.
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 from typing import Literal, get_args
 

@@ -18,6 +18,7 @@ Tuning and prediction apply this same rule to the same uint8 values (head probab
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import cv2
@@ -38,6 +39,11 @@ HEAD_GATES = ("head", "score")
 # Keys that files written before them lack, with the value that reads them as they were meant.
 RULE_DEFAULTS = {"gate_on": ["top_k"] * len(LABELS), "box": [False] * len(LABELS), "force_label": None}
 RULE_FILE = "postprocess.json"  # every run writes its tuned rule under this name; make cv the pooled one
+
+
+def is_cv_fold(run_dir: Path) -> bool:
+    """Whether `run_dir` is one of make cv's folds (CV_DIR/foldK), whose pooled rule is CV_DIR/RULE_FILE."""
+    return re.fullmatch(r"fold\d+", Path(run_dir).name) is not None
 
 
 def read_rule_file(path: str | Path) -> dict:

@@ -8,7 +8,6 @@ prediction all take their probabilities from `batch_probabilities`.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,8 +24,8 @@ from cloudseg.files import atomic_path
 from cloudseg.metrics import resize_probs
 from cloudseg.hardware import autocast, autocast_dtype, resolve_device, speed_switches
 from cloudseg.model import CloudNet, forward_with_classes, loaded_model, prepare_for_training
-from cloudseg.postprocess import (HEAD_GATES, RULE_DEFAULTS, RULE_FILE, RULE_KEYS, TOP_K, apply_rule, quantize,
-                                  read_rule_file)
+from cloudseg.postprocess import (HEAD_GATES, RULE_DEFAULTS, RULE_FILE, RULE_KEYS, TOP_K, apply_rule, is_cv_fold,
+                                  quantize, read_rule_file)
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV, SUBMISSION_SHAPE, image_label
 
 log = logging.getLogger("cloudseg")
@@ -259,7 +258,7 @@ def tuned_rule(checkpoints: list[str], postprocess_file: str | None) -> Path | N
                     RULE_FILE, checkpoints[0])
         return None
     cv_dirs = {parent.parent for parent in parents}
-    if len(cv_dirs) == 1 and all(re.fullmatch(r"fold\d+", parent.name) for parent in parents):  # make cv's folds
+    if len(cv_dirs) == 1 and all(is_cv_fold(parent) for parent in parents):
         pooled = cv_dirs.pop() / RULE_FILE
         if pooled.is_file():
             log.info("post-processing: the pooled rule of %s (--postprocess none turns it off)", pooled)

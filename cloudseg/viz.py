@@ -6,7 +6,6 @@ Notebooks only call these; they define no logic of their own.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -313,10 +312,10 @@ def tuned_rule(run_dir: str | Path) -> dict | None:
     """The run's own postprocess.json (every run tunes itself; `cloudseg tune RUN` again), what
     `cloudseg predict` applies to its best.pt; else, for a fold of `make cv` (CV_DIR/foldK), the
     pooled one beside it; else None."""
-    from cloudseg.postprocess import RULE_FILE, read_rule_file
+    from cloudseg.postprocess import RULE_FILE, is_cv_fold, read_rule_file
 
     run_dir = Path(run_dir).resolve()
-    pooled = [run_dir.parent / RULE_FILE] if re.fullmatch(r"fold\d+", run_dir.name) else []
+    pooled = [run_dir.parent / RULE_FILE] if is_cv_fold(run_dir) else []
     for path in (run_dir / RULE_FILE, *pooled):
         if path.is_file():
             return read_rule_file(path)
