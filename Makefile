@@ -71,10 +71,10 @@ help:
 	@echo "make test      install if needed, run the fast test suite"
 	@echo "make test-all  also run the tests marked slow"
 	@echo "make test-gpu  on a CUDA GPU: the tests marked gpu but not slow (decode, host syncs, mixed precision, predict,"
-	@echo "               memory, deterministic resume, segment; about 5 minutes on an H100)"
+	@echo "               memory, deterministic resume, segment; about 7 minutes on an H100 in pieces, 2026-11-26 to 28)"
 	@echo "make test-gpu-all  also the gpu tests marked slow (compiled step and prediction, default-resume noise)"
 	@echo "make test-oldest  the fast suite on the oldest PyTorch pyproject.toml allows (torch $(TORCH_FLOOR), in $(OLDEST_VENV))"
-	@echo "make bench     on a GPU: the GPU figures in bench/report.md (a 6-minute budget; BENCH_ARGS='--parts segment', --candidates ...);"
+	@echo "make bench     on a GPU: the GPU figures in bench/report.md, training first (a 570-s budget; BENCH_ARGS='--parts segment', --budget-s ...);"
 	@echo "               on a CPU: the tables of the RLE codec, tuning, training and inference speed, segment"
 	@echo "make lock      re-pin requirements.txt from pyproject.toml"
 	@echo "make clean     remove .venv, .venv-oldest, .tools and .pytest_cache"
@@ -109,7 +109,7 @@ test-all: $(STAMP)
 # In one process: these tests read and cap this process's GPU memory and compare runs bit for bit.
 # Each test's line and any failure's traceback are printed as it ends (tests/report_now.py), and a
 # test still running after GPU_HANG_S seconds has every thread's stack dumped: a run cut short says why.
-# make test-gpu: the tier that fits a short GPU window (about 5 minutes on an H100); make test-gpu-all
+# make test-gpu: the tier that fits a short GPU window (about 7 minutes on an H100 in pieces, 2026-11-26 to 28); make test-gpu-all
 # adds the gpu tests also marked slow (inductor's compiles, the default-resume noise study).
 GPU_TIER ?= gpu and not slow
 GPU_HANG_S ?= 120
@@ -129,8 +129,8 @@ test-oldest: | $(UV)
 	$(OLDEST_VENV)/bin/python -c "import torch; print('make test-oldest: torch', torch.__version__)"
 	$(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
-# make bench: on a CUDA GPU, the GPU figures in one report within a 6-minute budget (benchmarks/report.py:
-# training, memory caps, segment, an epoch, predict; BENCH_ARGS="--candidates", "--out FILE", ...);
+# make bench: on a CUDA GPU, the GPU figures in one report within a 570-s budget (benchmarks/report.py:
+# training first, then memory caps, segment, an epoch, predict; BENCH_ARGS="--budget-s 1500", "--out FILE", ...);
 # without one, the CPU tables of the four scripts.
 BENCH_ARGS ?=
 bench: $(STAMP)

@@ -1,12 +1,15 @@
-"""`make bench` on a GPU: every GPU figure the project claims, in one run of a few minutes, written
-as one markdown report (default bench/report.md, git-ignored).
+"""`make bench` on a GPU: every GPU figure the project claims, written as one markdown report
+(default bench/report.md, git-ignored), training first.
 
 Parts, in this order (a part runs while the time budget lasts; each has its own limit, is killed
 with its process group at that limit, and keeps what it printed by then):
 
-  training   benchmarks/train_speed.py: careful Lightning and cloudseg's step, eager and compiled,
-             bf16 and fp16, the checkpointing modes, the compiled step's time split, inference
-             with 4-flip TTA, loading; its JSON feeds the epoch part
+  training   benchmarks/train_speed.py: the alternatives a user could run instead (careful
+             Lightning, compiled as its guide says too, the plain loop done well), cloudseg's step
+             eager and compiled, bf16 and fp16, the speed-up candidates of issue #37 (rows h, e
+             again, i), the compiled step's split, the checkpointing modes, the careless baselines,
+             inference with 4-flip TTA, loading; its JSON (rewritten after every row) feeds the
+             ratio against the fastest alternative and the epoch part
   memory     `cloudseg memory --limit-gb 6` and `8` (configs/fullres.yaml): real steps under each
              cap, what checkpointing auto picks there and its peak
   segment    benchmarks/segment_speed.py: rows a-f on two 7000x18000 scenes (as on 2026-11-26),
@@ -14,23 +17,24 @@ with its process group at that limit, and keeps what it printed by then):
   epoch      `cloudseg train` end to end on synthetic full-size data (2 epochs): the second epoch's
              images/s against the compiled step's
   predict    `cloudseg predict` with 4-flip TTA on that run's Kaggle-size test images, end to end
-  (opt-in)   --candidates: the step's speed-up candidates of issue #37 (train_speed.py
-             --candidates); --autotune: inductor's max-autotune row, whose compile alone is minutes
+  (opt-in)   --autotune: the training part again with inductor's max-autotune row among the
+             candidates, whose compile alone is minutes
 
-Measured on one H100 on 2026-11-26 (BENCHMARKS.md): the training part was cut at 178 s after row
-e (its compiled split and the inference rows still to come), and segment was cut at its then limit
-of 150 s with no row printed (rows b and c compile, and the fixed cost starts four new processes):
-segment now prints each row as it is measured, within 300 s. Estimates for the rest: memory
-40-60 s, epoch 60 s, predict 20-30 s. All parts together are more than one 10-minute window with a
-cold cache. Every part compiles into the folder of inductor's cache that cloudseg's commands use
+Training comes first and is sized for one window with a cold inductor cache (issue #59): its
+compiles run side by side first (train_speed.py --warm-compiles), its rows most telling first,
+within 560 s; the default budget, 570 s, is one 10-minute window, so the other parts run where a
+larger --budget-s leaves them time (what does not fit is cut from the end, never from training).
+Measured before (H100, 2026-11-26): the uncompiled rows took about 150 s, a cold compile of row e
+1.1 min; estimates for the rest: memory 40-60 s, segment up to 300, epoch 60, predict 20-30. Every
+part compiles into the folder of inductor's cache that cloudseg's commands use
 (cli.keep_compiled_graphs: ~/.cache/cloudseg/inductor unless TORCHINDUCTOR_CACHE_DIR is set), so
 the parts share their compiles and a second `make bench` on the same machine compiles from it.
 
 --tiny runs every part at toy sizes (the CPU test of this script, tests/test_bench_report.py):
 the same commands and flags, only sizes and device differ, so the GPU run cannot fail on a typo.
 
-Usage: python benchmarks/report.py [--out bench/report.md] [--budget-s 360] [--device auto|cpu|cuda]
-       [--parts training memory segment epoch predict] [--candidates] [--autotune] [--tiny]
+Usage: python benchmarks/report.py [--out bench/report.md] [--budget-s 570] [--device auto|cpu|cuda]
+       [--parts training memory segment epoch predict] [--autotune] [--tiny]
 """
 
 from __future__ import annotations
@@ -57,12 +61,11 @@ from cloudseg.hardware import resolve_device, resolve_precision
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("training", "memory", "segment", "epoch", "predict")
-LIMIT_S = {"training": 270, "memory": 120, "segment": 300, "epoch": 150, "predict": 90, "candidates": 240,
-           "autotune": 480}  # each part's own limit, within the budget left
+LIMIT_S = {"training": 560, "memory": 120, "segment": 300, "epoch": 150, "predict": 90,
+           "autotune": 560}  # each part's own limit, within the budget left
 CAPS_GB = (6, 8)
-# The opt-in parts: the training benchmark again, with issue #37's candidates (rows h, e again, i),
-# and with inductor's max-autotune among them too.
-OPT_IN = {"candidates": ["--candidates", "--no-profile"], "autotune": ["--candidates", "--max-autotune", "--no-profile"]}
+# The opt-in part: the training benchmark again, with inductor's max-autotune among issue #37's candidates.
+OPT_IN = {"autotune": ["--candidates", "--max-autotune", "--no-profile"]}
 
 
 @dataclass
@@ -145,11 +148,26 @@ def markdown(output: str) -> str:
 
 
 def part_training(report: Report, extra: list[str] | None = None, name: str = "training") -> str:
-    """benchmarks/train_speed.py: the table and the compiled step's split (--profile); the opt-in
-    parts pass their own flags instead (OPT_IN)."""
+    """benchmarks/train_speed.py: the table, the candidates (on by default with CUDA) and the
+    compiled step's split (--profile), then the ratio against the fastest alternative; the opt-in
+    part passes its own flags instead (OPT_IN)."""
+    figures = report.work / f"{name}.json"
     command = ["benchmarks/train_speed.py", "--device", report.device.type, *report.sizes.training,
-               "--json", str(report.work / f"{name}.json"), *(extra or ["--profile", "--no-candidates"])]
-    return section(report, name, command)
+               "--json", str(figures), *(extra or ["--profile"])]
+    return section(report, name, command) + "\n\n" + against_fastest(figures)
+
+
+def against_fastest(training_json: Path) -> str:
+    """The headline ratio (issue #59) in each precision, from what the training part measured
+    (its JSON, rewritten after every row: a part cut short still gives the ratios it reached)."""
+    if not training_json.is_file():
+        return "(no ratio: the training part wrote no figures)"
+    ratios = json.loads(training_json.read_text()).get("against_fastest", {})
+    if not ratios:
+        return "(no ratio: row e or every alternative did not run)"
+    return "\n".join(f"**cloudseg compiled against the fastest alternative, {precision}: {r['ratio']:.2f}x** "
+                     f"({r['cloudseg']:.2f} images/s against {r['fastest_images_per_s']:.2f}, {r['fastest']})"
+                     for precision, r in ratios.items())
 
 
 def part_memory(report: Report) -> str:
@@ -257,7 +275,7 @@ def main() -> None:
     args = parse_args()
     keep_compiled_graphs()  # the parts' processes inherit cloudseg's folder of inductor's cache
     device = resolve_device(args.device)
-    parts = [*args.parts, *(["candidates"] if args.candidates else []), *(["autotune"] if args.autotune else [])]
+    parts = [*args.parts, *(["autotune"] if args.autotune else [])]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / "work"  # this script's own scratch folder: emptied first
     shutil.rmtree(work, ignore_errors=True)
@@ -281,9 +299,9 @@ def main() -> None:
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "report.md")
-    parser.add_argument("--budget-s", type=float, default=360, help="wall-clock seconds for all parts together")
+    parser.add_argument("--budget-s", type=float, default=570,
+                        help="wall-clock seconds for all parts together (default: one 10-minute window, training first)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--candidates", action="store_true", help="also the step's speed-up candidates (issue #37)")
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune row (minutes of compile)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: the CPU test of this script")
     add_device_option(parser, "the benchmarks run")

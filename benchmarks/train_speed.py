@@ -1,8 +1,14 @@
 """Full-resolution training and inference speed, memory and MFU, side by side; prints a table.
 
+What a user could run instead of cloudseg (the alternatives, ALTERNATIVES):
   a. textbook accumulation loop: fp32, loss / accumulation_steps, no AMP, no channels_last
+  a2. the plain loop done well: loss / accumulation_steps, autocast (GradScaler in fp16), model and
+     inputs channels_last, cuDNN's benchmark mode, fused AdamW, torch.compile(model), clipping
   b. PyTorch Lightning at its defaults: Trainer(accumulate_grad_batches=4), precision as cloudseg's auto
   c. Lightning set up carefully: bf16-mixed / 16-mixed, benchmark=True, model and inputs channels_last
+  c2. c, and fused AdamW, and the LightningModule under torch.compile before trainer.fit, as
+     Lightning's guide "Speed up models by compiling them" says
+cloudseg:
   d. cloudseg's step, eager (train.compile=false)
   e. cloudseg's step, compiled (train.compile=true; what auto gives on CUDA)
   f. cloudseg eager and g. compiled, with train.checkpointing=encoder and full
@@ -11,38 +17,46 @@
      life of a process), autotune=reductions, pad_stem, and with --max-autotune autotune=all;
      then e once more in a fresh process, whose spread from e sets the bar, and i. the winners
      combined: every candidate faster than e by more than twice that spread (at least 1%)
-  c, d, e: in each precision of --precisions (bf16 and fp16 where both are native); f-i: the first.
-  Each compiled row gives its first window's time beside its speed (the compile, autotuning
-  included). Then the targets (compiled against careful Lightning, checkpointing's cost, fp16
-  against bf16), which batch-norm backend PyTorch picks per precision, and with --profile the
-  split of one steady window in each precision, eager and compiled: device time per image by
-  kernel family (convolutions forward / data-grad / weight-grad, batch-norm statistics,
-  normalise + ReLU, upsample + concatenate, casts, layout copies, loss, optimizer; `kernel_family`)
-  and the top kernels (--trace DIR for Chrome traces). Also data loading per CPU core, and
-  inference with 4-flip TTA (eager, and compiled as predict.compile compiles it) projected to
-  Kaggle's 3,698 test images. Every table is a markdown pipe table.
+  a2, c, c2, d, e: in each precision of --precisions (bf16 and fp16 where both are native); f-i: the first.
 
-How long on an H100 (from BENCHMARKS.md's figures of 2026-11-25; not yet measured as a whole):
-a row times 6 steps of 16 images after 2 warmup windows, about 1.6 s at 60 images/s (4-5 s for
-row a); a compiled row adds its compile, tens of seconds cold and a few with inductor's cache
-warm (the rows share that cache: e's rerun and cudnn_search hit it). So rows a-g take about 2-3
-minutes, the candidates (h, e again, i) about 2 more (cudnn_search's process start and full
-search, coordinate descent's tuning, pad_stem's new graph), the profiles about 1. Max-autotune
+The headline ratio (issue #59) is row e against the fastest alternative that ran in the same
+precision, named (`against_fastest`); careful Lightning uncompiled stays a row and a ratio.
+The rows run most telling first, so that a run cut short loses the least: in each precision c, c2,
+a2, d, e, then (first precision) h, e again, i and the compiled step's split; then f, g; the
+careless baselines a and b last. Each row prints as it is measured, and --json is rewritten after
+each, the ratios with it. Each compiled row gives its first window's time beside its speed (the
+compile, autotuning included). Then the targets (against the fastest alternative and careful
+Lightning, checkpointing's cost, fp16 against bf16), which batch-norm backend PyTorch picks per
+precision, and with --profile the split of one steady window in each precision, compiled after
+its precision's rows and eager at the end: device time per image by kernel family (convolutions
+forward / data-grad / weight-grad, batch-norm statistics, normalise + ReLU, upsample +
+concatenate, casts, layout copies, loss, optimizer; `kernel_family`) and the top kernels (--trace
+DIR for Chrome traces). Also data loading per CPU core, and inference with 4-flip TTA (eager, and
+compiled as predict.compile compiles it) projected to Kaggle's 3,698 test images. Every table is a
+markdown pipe table.
+
+How long on an H100 (estimated from BENCHMARKS.md's windows; not yet measured as a whole): a row
+times 4-6 steps of 16 images after 2 warmup windows, about 1.6 s at 60 images/s (4-5 s for row a);
+the uncompiled rows a-d took about 150 s (Lightning's start and cuDNN's search for each new shape);
+a compiled row adds its compile, about 1.1 min cold for row e and a few seconds from inductor's
+cache. Eleven graphs compile (c2, a2, e in two precisions, g twice, two candidates, inference):
+one after another some 12 minutes cold, more than a 10-minute window. So with CUDA the compiles
+run first, 4 at a time in processes of their own (--warm-compiles), and the timed rows find them
+in inductor's cache (e's rerun and cudnn_search's row reuse e's graph). Max-autotune
 (--max-autotune, off by default) benchmarks Triton templates for every convolution shape: likely
-10 minutes or more, beyond `make bench`'s budget, so it has its own flag; --no-candidates leaves
-rows h and i out.
+10 minutes or more, so it has its own flag; --no-candidates leaves rows h and i out.
 
 MFU: images/s × FLOPs per image (cloudseg.flops: forward + backward, counted on meta tensors)
 over the GPU's datasheet dense 16-bit peak; n/a on a CPU or a GPU cloudseg.flops does not list.
-Same model (UNet-ResNet34) and the same synthetic batches for a-g. On CUDA (--device auto where
-there is a GPU) the default is the real size (1400x2100, padded 1408x2112, micro-batch 4,
+Same model (UNet-ResNet34) and the same synthetic batches for every row. On CUDA (--device auto
+where there is a GPU) the default is the real size (1400x2100, padded 1408x2112, micro-batch 4,
 effective batch 16). On the CPU the script runs a small size in fp32 without compiled rows, so
-that it stays testable; its figures mean nothing for GPUs. Lightning is optional (`uv pip install -e .[bench]`): without it its rows
-say skipped.
+that it stays testable; its figures mean nothing for GPUs. Lightning comes with the dev extra
+(`make install`); without it its rows say skipped.
 
 Usage: python benchmarks/train_speed.py [--device auto|cpu|cuda --height H --width W --steps N
-       --precisions bf16 fp16 --compiled --candidates --max-autotune --backend inductor --profile
-       --trace DIR --json OUT]
+       --precisions bf16 fp16 --compiled --candidates --max-autotune --backend inductor
+       --warm-compiles N --profile --trace DIR --json OUT]
 """
 
 from __future__ import annotations
@@ -50,6 +64,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -63,6 +78,7 @@ import torch
 from cloudseg import compiled
 from cloudseg.config import SpeedupsConfig, load_config
 from cloudseg.data import CloudDataset, build_transform
+from cloudseg.files import atomic_path
 from cloudseg.engine import StepContext, train_step
 from cloudseg.flops import peak_flops, step_flops_per_image
 from cloudseg.cli import add_device_option
@@ -78,6 +94,9 @@ KAGGLE_TEST_IMAGES = 3698
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 TEXTBOOK = "a. textbook loop (fp32)"
 STEP = {False: "eager", True: "compiled"}  # train.compile
+# What a user could run instead of cloudseg: the rows whose fastest, in each precision, cloudseg's
+# compiled step is measured against (issue #59).
+ALTERNATIVES = ("a. ", "a2. ", "b. ", "c. ", "c2. ")
 # Issue #37's candidates, each a setting of train.speedups (off by default until a GPU measures it).
 CANDIDATES = {"cudnn_search": SpeedupsConfig(cudnn_search=True), "autotune=reductions": SpeedupsConfig(autotune="reductions"),
               "pad_stem": SpeedupsConfig(pad_stem=True), "autotune=all": SpeedupsConfig(autotune="all")}
@@ -93,64 +112,142 @@ def main() -> None:
     compiled.BACKEND = args.backend
     batches = synthetic_batches(args, device)
     print(header(args, device))
-    rows = training_rows(config, batches, args, device)
     flops = step_flops_per_image(config.model, (args.height, args.width))
     peak = peak_flops(device_name(device)) if device.type == "cuda" else None
+    figures = Figures(args.json, device=device_name(device), torch=torch.__version__,
+                      args={**vars(args), "device": str(device)}, flops_per_image=flops, peak_flops=peak, profiles={})
+    if args.warm_compiles and args.compiled:
+        warm_compiles(config, args)
+    rows = training_rows(config, batches, args, device, figures)
     print_table(rows, flops, peak)
     print_targets(rows, args.precisions)
     print_batch_norm_backends(args.precisions, device)
-    profiles = {f"{p}{', compiled' if compile else ''}": op_profile(config, batches, args, device, p, compile)
-                for p in args.precisions for compile in (False, True) if args.profile and (args.compiled or not compile)}
+    for p in args.precisions if args.profile else ():
+        profile(figures, config, batches, args, device, p, compile=False)
     loader_rate = loading_rate(args)
+    figures.put(loader_samples_per_s_per_core=loader_rate)
     print(f"\ndata loading: {loader_rate:.1f} samples/s per CPU core at {args.loader_size[0]}x{args.loader_size[1]}")
     inference_rate = {STEP[compile]: timed(device, lambda compile=compile: inference(config, batches, args, device,
                                                                                     compile))
                       for compile in (False, True) if args.compiled or not compile}
+    figures.put(inference=inference_rate)
     for step, rate in inference_rate.items():
         if rate:  # None: skipped, as timed() said
             print(f"inference, 4-flip TTA, {step}: {rate[0]:.2f} images/s, peak {rate[1]:.2f} GiB; "
                   f"{KAGGLE_TEST_IMAGES} test images in {human_duration(KAGGLE_TEST_IMAGES / rate[0])} (model time only)")
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"device": device_name(device), "torch": torch.__version__, "args": {**vars(args), "device": str(device)},
-                       "flops_per_image": flops, "peak_flops": peak, "rows": rows, "profiles": profiles,
-                       "loader_samples_per_s_per_core": loader_rate, "inference": inference_rate}, file, indent=1)
+
+
+class Figures(dict):
+    """Everything measured so far, written to --json (when given) after each addition: a run cut
+    short by make bench's time limit leaves what it measured, rows and ratios included."""
+
+    def __init__(self, path: str | None, **head):
+        super().__init__(head)
+        self.path = path
+
+    def put(self, **items) -> None:
+        self.update(items)
+        if self.path:
+            with atomic_path(self.path) as tmp, open(tmp, "w") as file:
+                json.dump(self, file, indent=1)
 
 
 class Rows(dict):
-    """The table's rows, each printed the moment it is measured: a run cut short (make bench's
-    time limit) still shows the rows it finished; the table comes at the end."""
+    """The table's rows, each printed the moment it is measured, and kept in `figures` with the
+    ratios against the fastest alternatives: a run cut short (make bench's time limit) still
+    shows the rows it finished; the table comes at the end."""
+
+    def __init__(self, figures: Figures):
+        super().__init__()
+        self.figures = figures
 
     def __setitem__(self, name, result):
         super().__setitem__(name, result)
         if result:
             print(f"  measured {name}: {result[0]:.2f} images/s, peak {result[1]:.2f} GiB", flush=True)
+        self.figures.put(rows=dict(self), against_fastest={p: against_fastest(self, p) for p in PRECISIONS
+                                                           if against_fastest(self, p)})
 
 
-def training_rows(config, batches, args, device) -> dict:
-    """Each row's (images/s, peak GiB) or None where skipped, in the order of the docstring."""
+def training_rows(config, batches, args, device, figures) -> dict:
+    """Each row's (images/s, peak GiB, first window s) or None where skipped, most telling first, so
+    that a run cut short loses the least: in each precision the alternatives a user would run
+    instead (careful Lightning, compiled too, and the plain loop done well), then cloudseg's step,
+    eager and compiled, and in the first precision the candidates and the compiled step's split;
+    then the checkpointing modes, and last the careless baselines a and b."""
     first = args.precisions[0]
-    default = resolve_precision("auto", device)
-    torch.backends.cudnn.benchmark = False  # a and b as their authors leave it; cloudseg's rows switch it on
-    rows = Rows()
-    rows[TEXTBOOK] = timed(device, lambda: textbook(config, batches, args, device))
-    rows[f"b. Lightning at its defaults, {default}"] = timed(device, lambda: lightning(
-        config, batches, args, device, default, careful=False))
+    rows = Rows(figures)
     for p in args.precisions:
+        torch.backends.cudnn.benchmark = False  # each alternative switches it as its user would
         rows[f"c. Lightning careful, {p}"] = timed(device, lambda: lightning(config, batches, args, device, p, careful=True))
-    speed_switches(device)  # as `cloudseg train` does
-    for letter, compile in (("d", False), ("e", True)):
-        for p in args.precisions:
+        name = f"c2. Lightning careful, compiled (its guide), {p}"
+        rows[name] = compiled_row(args, name, lambda: lightning(config, batches, args, device, p, careful=True,
+                                                                compile=True))
+        name = f"a2. PyTorch loop done well, compiled, {p}"
+        rows[name] = compiled_row(args, name, lambda: done_well(config, batches, args, device, p))
+        speed_switches(device)  # as `cloudseg train` does
+        for letter, compile in (("d", False), ("e", True)):
             rows[f"{letter}. cloudseg {STEP[compile]}, {p}"] = cloudseg_row(config, batches, args, device, p, compile)
+        if p == first and args.candidates:
+            for name, result in candidate_rows(config, batches, args, device, first,
+                                               base=rows[f"e. cloudseg compiled, {first}"]).items():
+                rows[name] = result
+        if args.profile and args.compiled:
+            profile(figures, config, batches, args, device, p, compile=True)
     for letter, compile in (("f", False), ("g", True)):
         for mode in ("encoder", "full"):
             rows[f"{letter}. cloudseg {STEP[compile]}, {first}, checkpointing={mode}"] = cloudseg_row(
                 config, batches, args, device, first, compile, mode)
-    if args.candidates:
-        for name, result in candidate_rows(config, batches, args, device, first,
-                                           base=rows[f"e. cloudseg compiled, {first}"]).items():
-            rows[name] = result
+    torch.backends.cudnn.benchmark = False  # a and b as their authors leave it
+    default = resolve_precision("auto", device)
+    rows[TEXTBOOK] = timed(device, lambda: textbook(config, batches, args, device))
+    rows[f"b. Lightning at its defaults, {default}"] = timed(device, lambda: lightning(
+        config, batches, args, device, default, careful=False))
+    speed_switches(device)
     return rows
+
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def precision_of(row: str) -> str:
+    """The precision a row ran in: the last of its words that names one (row a's is in brackets)."""
+    return [word for word in row.replace("(", " ").replace(")", " ").replace(",", " ").split() if word in PRECISIONS][-1]
+
+
+def against_fastest(rows: dict, precision: str) -> dict | None:
+    """cloudseg's compiled step (row e) against the fastest alternative (ALTERNATIVES) that ran in
+    `precision`: {ratio, cloudseg, fastest, its images/s}; None until both have run."""
+    ours = rows.get(f"e. cloudseg compiled, {precision}")
+    runs = {name: result[0] for name, result in rows.items()
+            if name.startswith(ALTERNATIVES) and result and precision_of(name) == precision}
+    if not ours or not runs:
+        return None
+    fastest = max(runs, key=runs.get)
+    return {"ratio": ours[0] / runs[fastest], "cloudseg": ours[0], "fastest": fastest, "fastest_images_per_s": runs[fastest]}
+
+
+def against_fastest_line(rows: dict, precision: str) -> str:
+    """The ratio of issue #59 in words: cloudseg compiled against the fastest alternative, named."""
+    result = against_fastest(rows, precision)
+    if result is None:
+        return f"compiled against the fastest alternative, {precision}: n/a (row e or every alternative not run)"
+    return (f"compiled against the fastest alternative, {precision}: {result['ratio']:.2f}x ({result['cloudseg']:.2f} "
+            f"images/s against {result['fastest']}, {result['fastest_images_per_s']:.2f})")
+
+
+def compiled_row(args, name, run):
+    """An alternative's compiled row, timed, or None with --no-compiled."""
+    if not args.compiled:
+        print(f"  skipped {name}: --no-compiled")
+        return None
+    return timed(args.device, run)
+
+
+def profile(figures, config, batches, args, device, precision, compile) -> None:
+    """The split of one window (op_profile), kept in `figures` under its precision and step."""
+    split = op_profile(config, batches, args, device, precision, compile)
+    figures.put(profiles={**figures["profiles"], f"{precision}{', compiled' if compile else ''}": split})
 
 
 def cloudseg_row(config, batches, args, device, precision, compile, checkpointing="none", speedups=None, fresh=False):
@@ -198,6 +295,51 @@ def winning(candidates: dict, base, again) -> tuple[list[str], float | None]:
     return winners, bar
 
 
+def warm_compiles(config, args) -> None:
+    """Every compiled row's graphs compiled first, --warm-compiles of them at a time, each in a new
+    process of its own, so that the timed rows find them in inductor's on-disk cache (the timed
+    rows' first windows then show a cached compile; these lines show the cold ones). A UNet's compile
+    is mostly one Python thread's work: side by side, a cold cache costs a window a fraction of the
+    minutes it costs one compile after another. A job that fails is said and left to its row."""
+    first = args.precisions[0]
+    jobs = [*((f"c2, {p}", "lightning", p, {"careful": True, "compile": True}) for p in args.precisions),
+            *((f"a2, {p}", "done_well", p, {}) for p in args.precisions),
+            *((f"e, {p}", "cloudseg_compiled", p, {}) for p in args.precisions),
+            *((f"g, {mode}", "cloudseg_compiled", first, {"checkpointing": mode}) for mode in ("encoder", "full")),
+            *((f"h, {name}", "cloudseg_compiled", first, {"speedups": CANDIDATES[name]}) for name in CANDIDATES
+              if args.candidates and name != "cudnn_search" and (args.max_autotune or name != "autotune=all")),
+            ("inference", "compiled_inference", first, {})]
+    start = time.perf_counter()
+    print(f"warming {len(jobs)} compiles, {args.warm_compiles} at a time, each in a new process", flush=True)
+    with multiprocessing.get_context("spawn").Pool(args.warm_compiles, maxtasksperchild=1) as pool:
+        pending = [(name, pool.apply_async(_warm, (kind, config, args, precision, options)))
+                   for name, kind, precision, options in jobs]
+        for name, result in pending:
+            seconds, error = result.get()
+            print(f"  warmed {name}: {human_duration(seconds)}" + (f", failed: {error}" if error else ""), flush=True)
+    print(f"warmed in {human_duration(time.perf_counter() - start)}", flush=True)
+
+
+def _warm(kind, config, args, precision, options) -> tuple[float, str | None]:
+    """One warm job: its row's function on two windows (the compiling one and one more), its output
+    silenced; (seconds, the error or None)."""
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    compiled.BACKEND = args.backend
+    speed_switches(args.device)
+    short = argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1})
+    batches, start = synthetic_batches(short, args.device), time.perf_counter()
+    runs = {"lightning": lambda: lightning(config, batches, short, args.device, precision, **options),
+            "done_well": lambda: done_well(config, batches, short, args.device, precision),
+            "cloudseg_compiled": lambda: cloudseg(config, batches, short, args.device, precision,
+                                                  options.get("checkpointing", "none"), True, options.get("speedups")),
+            "compiled_inference": lambda: inference(config, batches, short, args.device, compile=True)}
+    try:
+        runs[kind]()
+    except Exception as error:  # an out-of-memory beside the other jobs, say: the row compiles it itself
+        return time.perf_counter() - start, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return time.perf_counter() - start, None
+
+
 def in_fresh_process(config, args, precision, speedups):
     """A compiled row timed in a new process (spawned: CUDA cannot fork), with cuDNN's algorithm
     search as `speedups` says; the same synthetic batches, made again there."""
@@ -242,6 +384,9 @@ def parse_args():
                         help="with --candidates, also the row of train.speedups.autotune=all (inductor's "
                              "max-autotune-no-cudagraphs: likely 10 minutes or more of compiling at full size)")
     parser.add_argument("--backend", default=compiled.BACKEND, help="torch.compile backend of the compiled rows")
+    parser.add_argument("--warm-compiles", type=int, metavar="N",
+                        help="compile every compiled row's graphs first, N processes at a time, into inductor's cache "
+                             "(default: 4 on CUDA with the compiled rows, else 0: none)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction,
                         help="the split of one window in each precision, eager and (with --compiled) compiled: time "
                              "per image by kernel family, and the top kernels (torch.profiler; default on CUDA; on a "
@@ -264,6 +409,8 @@ def parse_args():
             setattr(args, name, value)
     if args.candidates is None:
         args.candidates = cuda and args.compiled
+    if args.warm_compiles is None:
+        args.warm_compiles = 4 if cuda and args.compiled else 0
     return args
 
 
@@ -303,18 +450,63 @@ def textbook(config, batches, args, device):
     model = build_model(config.model, pretrained=False).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr)
     accumulation = args.effective_batch // args.micro_batch
-    start = None
-    for i, batch in enumerate(batches):
-        if i == args.warmup * accumulation:
+
+    def window_step(window):
+        for batch in window:
+            (per_image_loss(model(batch["image"]), batch["mask"]).mean() / accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return timed_windows(batches, args, device, window_step)
+
+
+def done_well(config, batches, args, device, precision):
+    """The plain loop with every flag PyTorch's own tutorials offer: `loss / accumulation`, autocast
+    (and GradScaler in fp16), model and inputs channels_last, cuDNN's benchmark mode, fused AdamW,
+    `torch.compile(model)`, clipping as cloudseg and Lightning clip; compiled in its first window."""
+    torch._dynamo.reset()
+    torch.backends.cudnn.benchmark = True
+    model = build_model(config.model, pretrained=False).to(device).train().to(memory_format=torch.channels_last)
+    forward = torch.compile(model, backend=compiled.BACKEND)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, fused=True)
+    dtype = AUTOCAST_DTYPES[precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
+    accumulation = args.effective_batch // args.micro_batch
+
+    def window_step(window):
+        for batch in window:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = per_image_loss(forward(batch["image"].contiguous(memory_format=torch.channels_last)),
+                                      batch["mask"]).mean() / accumulation
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip or math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timed_windows(batches, args, device, window_step, f"plain loop, {precision}")
+
+
+def timed_windows(batches, args, device, window_step, compiling: str | None = None):
+    """(images, seconds) of the timed windows after the warmup ones, each window's micro-batches
+    given to `window_step`; `compiling` (what compiles, for the log): also its first window's
+    seconds, compiling included."""
+    accumulation = args.effective_batch // args.micro_batch
+    windows = [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
+    start, first_window = time.perf_counter(), None
+    for i, window in enumerate(windows):
+        if i == 1 and compiling:
+            synchronize(device)
+            first_window = time.perf_counter() - start
+            print(f"  compiled ({args.backend}), {compiling}: first window {human_duration(first_window)}, "
+                  "compiling included")
+        if i == args.warmup:
             synchronize(device)
             start = time.perf_counter()
-        loss = per_image_loss(model(batch["image"]), batch["mask"]).mean() / accumulation
-        loss.backward()
-        if (i + 1) % accumulation == 0:
-            optimizer.step()
-            optimizer.zero_grad()
+        window_step(window)
     synchronize(device)
-    return args.steps * args.effective_batch, time.perf_counter() - start
+    return args.steps * args.effective_batch, time.perf_counter() - start, first_window
 
 
 def step_context(config, device, precision, checkpointing="none", compile=False, speedups=None) -> StepContext:
@@ -336,28 +528,16 @@ def cloudseg(config, batches, args, device, precision, checkpointing, compile, s
     if compile:
         torch._dynamo.reset()
     ctx = step_context(config, device, precision, checkpointing, compile, speedups)
-    accumulation = args.effective_batch // args.micro_batch
-    windows = [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
-    start, first_window = time.perf_counter(), None
-    for i, window in enumerate(windows):
-        if i == 1 and compile:
-            synchronize(device)
-            first_window = time.perf_counter() - start
-            print(f"  compiled ({args.backend}), {precision}, checkpointing={checkpointing}, "
-                  f"speedups {speedups.model_dump() if speedups else 'none'}: first window "
-                  f"{human_duration(first_window)}, compiling included")
-        if i == args.warmup:
-            synchronize(device)
-            start = time.perf_counter()
-        train_step(ctx, window)
-    synchronize(device)
-    return args.steps * args.effective_batch, time.perf_counter() - start, first_window
+    what = f"{precision}, checkpointing={checkpointing}, speedups {speedups.model_dump() if speedups else 'none'}"
+    return timed_windows(batches, args, device, lambda window: train_step(ctx, window), what if compile else None)
 
 
-def lightning(config, batches, args, device, precision, careful):
+def lightning(config, batches, args, device, precision, careful, compile=False):
     """Lightning's own accumulation; `careful`: a user who also knows cuDNN's benchmark mode and
-    channels_last (model and inputs)."""
-    import pytorch_lightning as pl  # optional: pip install pytorch-lightning
+    channels_last (model and inputs); `compile`: also fused AdamW and the LightningModule under
+    torch.compile before `trainer.fit`, as Lightning's guide "Speed up models by compiling them"
+    says (Lightning then compiles its *_step methods), with its first window's seconds."""
+    import pytorch_lightning as pl  # the dev extra has it (make install)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -371,25 +551,37 @@ def lightning(config, batches, args, device, precision, careful):
             return per_image_loss(self.model(images), batch["mask"]).mean()
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=config.train.lr)
+            return torch.optim.AdamW(self.parameters(), lr=config.train.lr, fused=compile or None)
 
     class Clock(pl.Callback):
-        start = None
+        begin = start = first_window = None
+
+        def on_train_start(self, trainer, module):
+            Clock.begin = time.perf_counter()
 
         def on_train_batch_start(self, trainer, module, batch, index):
+            if index == accumulation and compile:
+                synchronize(device)
+                Clock.first_window = time.perf_counter() - Clock.begin
+                print(f"  compiled ({args.backend}), Lightning, {precision}: first window "
+                      f"{human_duration(Clock.first_window)}, compiling included")
             if index == args.warmup * accumulation:
                 synchronize(device)
                 Clock.start = time.perf_counter()
 
     accumulation = args.effective_batch // args.micro_batch
+    module = Module()
+    if compile:
+        torch._dynamo.reset()
+        module = torch.compile(module, backend=compiled.BACKEND)
     trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
                          precision=LIGHTNING_PRECISION[precision], benchmark=True if careful else None,
                          accumulate_grad_batches=accumulation, max_steps=args.warmup + args.steps,
                          gradient_clip_val=config.train.grad_clip, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()])
-    trainer.fit(Module(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     synchronize(device)
-    return args.steps * args.effective_batch, time.perf_counter() - Clock.start
+    return args.steps * args.effective_batch, time.perf_counter() - Clock.start, Clock.first_window
 
 
 # The split's kernel families (issue #37). Names as the profiler gives them: cuDNN's and CUTLASS's
@@ -558,11 +750,13 @@ def print_targets(rows, precisions) -> None:
 
     print("\ntargets")
     for p in precisions:
-        print(f"  compiled against careful Lightning, {p}: {ratio(f'e. cloudseg compiled, {p}', f'c. Lightning careful, {p}')}"
-              " (issue #37: >= 2.0x in bf16, >= 80 images/s at micro-batch 4 on an H100; >= 1.5x in fp16)")
+        print(f"  {against_fastest_line(rows, p)} (issue #59: >= 1.3x, moonshot 1.5x; >= 90 images/s in bf16 on an H100)")
+        print(f"  compiled against careful Lightning uncompiled, {p}: "
+              f"{ratio(f'e. cloudseg compiled, {p}', f'c. Lightning careful, {p}')}")
     combined = next((name for name in rows if name.startswith("i. ") and rows[name]), None)
-    if combined:
-        print(f"  {combined[3:]} against careful Lightning: {ratio(combined, f'c. Lightning careful, {precisions[0]}')}")
+    fastest = against_fastest(rows, precisions[0])
+    if combined and fastest:
+        print(f"  {combined[3:]} against the fastest alternative: {ratio(combined, fastest['fastest'])}")
     for letter, step in (("f", "eager"), ("g", "compiled")):
         base = f"{'d' if step == 'eager' else 'e'}. cloudseg {step}, {precisions[0]}"
         for mode in ("encoder", "full"):

@@ -73,7 +73,7 @@ def test_the_budget_cuts_a_part_and_leaves_out_the_rest(tmp_path):
     assert "wrote" in stdout
 
 
-GPU_PLAN = {"training": ("train_speed", [*report.FULL.training, "--profile", "--no-candidates"]),
+GPU_PLAN = {"training": ("train_speed", [*report.FULL.training, "--profile"]),
             **{part: ("train_speed", [*report.FULL.training, *flags]) for part, flags in report.OPT_IN.items()},
             "segment": ("segment_speed", report.FULL.segment)}
 
@@ -124,3 +124,19 @@ def test_the_epoch_is_compared_with_the_step_that_training_runs(tmp_path):
         table = report.epoch_against_step(metrics, figures, torch.device("cuda"))
     assert "| 1 | 30.00 | 60.00 (e. cloudseg compiled, bf16) | 50.0% |" in table
     assert "| 2 | 45.00 | 60.00 (e. cloudseg compiled, bf16) | 75.0% |" in table
+
+
+def test_the_report_writes_the_ratio_against_the_fastest_alternative(tmp_path):
+    """From the training part's JSON as train_speed.py writes it after each row, so a part cut short
+    still gives the ratio it reached (here fp16's alternatives have not run). Would catch: the ratio
+    lost when the part is cut (no table printed), the fastest alternative not named, a precision
+    reported that has no ratio yet, or a missing JSON taken as an error of the report."""
+    figures = tmp_path / "training.json"
+    assert report.against_fastest(figures) == "(no ratio: the training part wrote no figures)"
+    figures.write_text(json.dumps({"rows": {}, "against_fastest": {}}))
+    assert report.against_fastest(figures) == "(no ratio: row e or every alternative did not run)"
+    figures.write_text(json.dumps({"against_fastest": {"bf16": {
+        "ratio": 1.3125, "cloudseg": 84.0, "fastest": "c2. Lightning careful, compiled (its guide), bf16",
+        "fastest_images_per_s": 64.0}}}))
+    assert report.against_fastest(figures) == ("**cloudseg compiled against the fastest alternative, bf16: 1.31x** (84.00 "
+                                               "images/s against 64.00, c2. Lightning careful, compiled (its guide), bf16)")

@@ -25,46 +25,103 @@ def run(*args, timeout=300):
 TRAIN_SPEED = ["benchmarks/train_speed.py", "--device", "cpu", "--height", "64", "--width", "96", "--encoder", "resnet18",
                "--micro-batch", "2", "--effective-batch", "4", "--steps", "1", "--warmup", "1",
                "--loader-size", "64", "96", "--loader-images", "2"]
-ROWS = ("a. textbook loop", "b. Lightning at its defaults", "c. Lightning careful", "d. cloudseg eager, fp32",
-        "e. cloudseg compiled, fp32", "f. cloudseg eager, fp32, checkpointing=encoder",
-        "f. cloudseg eager, fp32, checkpointing=full", "g. cloudseg compiled, fp32, checkpointing=encoder",
-        "g. cloudseg compiled, fp32, checkpointing=full")
+ROWS = ("c. Lightning careful, fp32", "c2. Lightning careful, compiled (its guide), fp32",
+        "a2. PyTorch loop done well, compiled, fp32", "d. cloudseg eager, fp32", "e. cloudseg compiled, fp32",
+        "f. cloudseg eager, fp32, checkpointing=encoder", "f. cloudseg eager, fp32, checkpointing=full",
+        "g. cloudseg compiled, fp32, checkpointing=encoder", "g. cloudseg compiled, fp32, checkpointing=full",
+        "a. textbook loop", "b. Lightning at its defaults")  # in the order they run: most telling first
+COMPILED_ROWS = tuple(row for row in ROWS if "compiled" in row)
 CANDIDATE_ROWS = ("h. cloudseg compiled, fp32, cudnn_search", "h. cloudseg compiled, fp32, autotune=reductions",
                   "h. cloudseg compiled, fp32, pad_stem", "e. cloudseg compiled, fp32, again")
 
 
 def test_training_benchmark_prints_its_table(tmp_path):
+    """Would catch: a row lost or renamed, the rows out of their order (the careless baselines a and
+    b before cloudseg's rows, where a window's cut would keep them and lose training's essentials),
+    a Lightning row skipped though Lightning is installed (the dev extra), a compiled row run with
+    --no-compiled, the JSON not written or missing a figure."""
     out = run(*TRAIN_SPEED, "--no-compiled", "--candidates", "--profile", "--json", str(tmp_path / "b.json"))
-    for row in ROWS + CANDIDATE_ROWS:
+    table = [line for line in out.splitlines() if line.startswith("| ") and "images/s" not in line]
+    positions = [next(i for i, line in enumerate(table) if line.startswith(f"| {row}")) for row in ROWS]
+    assert positions == sorted(positions), table
+    for row in CANDIDATE_ROWS:
         assert f"| {row}" in out
-    assert "| e. cloudseg compiled, fp32 | skipped |" in out  # --no-compiled
+    for row in COMPILED_ROWS:
+        assert f"| {row} | skipped |" in out  # --no-compiled
+    assert "| c. Lightning careful, fp32 | skipped" not in out and "| b. Lightning at its defaults, fp32 | skipped" not in out
     assert "| h. cloudseg compiled, fp32, pad_stem | skipped |" in out and "autotune=all" not in out
     assert "| i. cloudseg compiled, fp32, winners: none | skipped |" in out
     assert "data loading:" in out and "4-flip TTA, eager" in out and "3698 test images" in out
     assert "4-flip TTA, compiled" not in out  # --no-compiled
     assert "MFU:" in out and "targets" in out and "checkpointing=full, eager: time per image" in out
+    assert "compiled against the fastest alternative, fp32: n/a" in out  # row e did not run
     assert "batch-norm backend in training: fp32 " in out and "fp32, eager, ms per image (CPU self time)" in out
     assert "| kernel family | ms per image | share |" in out and "| convolution forward |" in out
     assert "| optimizer and gradient norm |" in out and "fp32, compiled, ms per image" not in out
     figures = json.loads((tmp_path / "b.json").read_text())
     assert figures["rows"]["a. textbook loop (fp32)"][0] > 0 and figures["loader_samples_per_s_per_core"] > 0
+    assert figures["rows"]["c. Lightning careful, fp32"][0] > 0 and figures["against_fastest"] == {}
     assert figures["flops_per_image"] > 0 and figures["profiles"]["fp32"]["batch_norm_ms_per_image"] > 0
 
 
-@pytest.mark.slow  # nine compiles of a resnet18 UNet (one in a new process), even with aot_eager: minutes on 2 cores
+def test_the_ratio_is_against_the_fastest_alternative_of_the_same_precision():
+    """Would catch: the ratio against careful Lightning alone (the old headline) when a compiled
+    alternative is faster, an alternative of another precision (or one of cloudseg's own rows, or
+    a skipped row) taken as the fastest, and a ratio claimed before row e has run."""
+    rows = {"a. textbook loop (fp32)": (20.0, 20.4, None), "a2. PyTorch loop done well, compiled, bf16": (61.0, 11.0, 70.0),
+            "b. Lightning at its defaults, bf16": (18.0, 12.2, None), "c. Lightning careful, bf16": (40.0, 13.0, None),
+            "c2. Lightning careful, compiled (its guide), bf16": (64.0, 12.0, 80.0),
+            "c2. Lightning careful, compiled (its guide), fp16": (90.0, 12.0, 80.0),
+            "a2. PyTorch loop done well, compiled, fp16": None, "d. cloudseg eager, bf16": (48.0, 11.6, None),
+            "h. cloudseg compiled, bf16, pad_stem": (99.0, 10.0, 60.0)}
+    assert train_speed.against_fastest(rows, "bf16") is None  # no row e yet
+    rows["e. cloudseg compiled, bf16"] = (80.0, 10.8, 66.0)
+    assert train_speed.against_fastest(rows, "bf16") == {
+        "ratio": 1.25, "cloudseg": 80.0, "fastest": "c2. Lightning careful, compiled (its guide), bf16",
+        "fastest_images_per_s": 64.0}
+    assert train_speed.against_fastest(rows, "fp32") is None  # row a ran, but cloudseg did not in fp32
+    assert "1.25x (80.00 images/s against c2. Lightning careful, compiled (its guide), bf16, 64.00)" in \
+        train_speed.against_fastest_line(rows, "bf16")
+    assert [train_speed.precision_of(row) for row in rows][:3] == ["fp32", "bf16", "bf16"]
+
+
+def test_the_compiled_alternatives_compile_what_their_users_compile(monkeypatch):
+    """Rows c2 and a2 in this process at a toy size, with the tests' aot_eager backend. Would catch:
+    Lightning's row not compiling at all (a compiled LightningModule that trainer.fit unwraps and
+    runs eagerly would compile no graph), the plain loop not compiled, either without its first
+    window's seconds, or a step that does not train (a parameter left as it was)."""
+    from cloudseg import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(sys, "argv", ["train_speed.py", *TRAIN_SPEED[1:], "--compiled", "--backend", "aot_eager"])
+    args = train_speed.parse_args()
+    config = load_config("configs/fullres.yaml", ["model.encoder_weights=null", "model.encoder=resnet18"])
+    batches = train_speed.synthetic_batches(args, args.device)
+    for row in (lambda: train_speed.lightning(config, batches, args, args.device, "fp32", careful=True, compile=True),
+                lambda: train_speed.done_well(config, batches, args, args.device, "fp32")):
+        graphs = compiled.graph_counts()[0]
+        images, seconds, first_window = row()
+        assert compiled.graph_counts()[0] > graphs and images == 4 and seconds > 0 and first_window > 0
+
+
+@pytest.mark.slow  # compiles of a resnet18 UNet (warmed two at a time, some in new processes), even with aot_eager: minutes on 2 cores
 def test_training_benchmark_runs_its_compiled_rows(tmp_path):
     """Would catch: a compiled row skipped (a candidate's among them: cudnn_search's runs in a new
-    process), a compiled row without its first window's time, the winners not decided, the compiled
+    process), a compiled row without its first window's time, a warm compile that fails or is left
+    out, the winners not decided, the ratio against the fastest alternative missing, the compiled
     step not profiled (issue #32's profile), or its trace not written."""
     out = run(*TRAIN_SPEED, "--compiled", "--candidates", "--backend", "aot_eager", "--profile", "--trace", str(tmp_path),
-              timeout=900)  # 3-6 min on 2 shared cores, two new processes among them
-    for row in ROWS[4:] + CANDIDATE_ROWS:
+              "--warm-compiles", "2", "--json", str(tmp_path / "c.json"), timeout=1200)  # 5-9 min on 2 shared cores
+    for row in COMPILED_ROWS + CANDIDATE_ROWS:
         assert f"| {row} | skipped" not in out and f"| {row} |" in out
-    assert all(line.split("|")[6].strip() for line in out.splitlines() if line.startswith(("| g.", "| h.")))
+    assert all(line.split("|")[6].strip() for line in out.splitlines() if line.startswith(("| g.", "| h.", "| c2.", "| a2.")))
+    warmed = [line for line in out.splitlines() if line.startswith("  warmed ")]
+    assert len(warmed) == 8 and not any("failed" in line for line in warmed) and "warmed in " in out, warmed
     assert "compiled (aot_eager), fp32, checkpointing=full" in out and "winners: faster than row e by more than" in out
-    assert "| i. cloudseg compiled, fp32, winners: " in out
+    assert "| i. cloudseg compiled, fp32, winners: " in out and "compiled against the fastest alternative, fp32: " in out
     assert "4-flip TTA, compiled:" in out and "fp32, compiled, ms per image (CPU self time)" in out
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["fp32-compiled.json", "fp32-eager.json"]
+    assert json.loads((tmp_path / "c.json").read_text())["against_fastest"]["fp32"]["ratio"] > 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["c.json", "fp32-compiled.json", "fp32-eager.json"]
 
 
 def test_the_split_groups_kernels_into_families_by_name():
