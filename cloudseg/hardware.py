@@ -7,6 +7,7 @@ all ask these functions, so a precision name means the same autocast dtype every
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -154,6 +155,19 @@ def speed_switches(device: torch.device, deterministic: bool = False, cudnn_sear
         torch.backends.cudnn.benchmark = not deterministic and not inference
         torch.backends.cudnn.deterministic = deterministic
         torch.backends.cudnn.benchmark_limit = 0 if cudnn_search else CUDNN_BENCHMARK_LIMIT
+
+
+@contextlib.contextmanager
+def without_cudnn_search():
+    """Inside the block cuDNN's heuristics pick each convolution's algorithm, as with benchmark
+    mode off (PyTorch's default); after it, benchmark mode is as it was. For the memory probes:
+    a search times every algorithm of a shape, seconds a shape at full resolution."""
+    searching = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = searching
 
 
 # Autograd nodes whose CUDA kernel PyTorch has no deterministic version of: under

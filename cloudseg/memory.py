@@ -19,9 +19,13 @@ nvJPEG's own buffers. `outside_allocator` adds an assumed figure for it to every
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import weakref
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -33,7 +37,8 @@ from cloudseg.config import Config, apply_overrides, from_dict
 from cloudseg.data import padded_shape
 from cloudseg.decode import resolve_decode
 from cloudseg.engine import StepContext, accumulate, resilient_step
-from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision
+from cloudseg.files import atomic_path
+from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision, without_cudnn_search
 from cloudseg.model import (CHECKPOINTING_MODES, CloudNet, build_model, norm_statistics, prepare_for_training,
                             restore_norm_statistics, set_checkpointing)
 from cloudseg.task import IMAGE_SHAPE, LABELS
@@ -48,6 +53,9 @@ LIBRARY_BYTES = 256 * 2**20  # cuDNN's and cuBLAS's handles and the kernels they
 NVJPEG_STATE_BYTES = 128 * 2**20  # data.decode gpu: nvJPEG's handle, decoder state, bitstream buffers
 NVJPEG_BYTES_PER_PIXEL = 3  # and per image of the micro-batch, one H×W×3 buffer of its own
 PLANNED_MICRO_BATCH = 4  # what checkpointing auto plans for when train.micro_batch is auto too
+# Where `cloudseg train` remembers its probes' peaks (`probed_peak`): this file, or with the variable
+# empty none; unset, ~/.cache/cloudseg/probes.json (beside inductor's cache, cli.keep_compiled_graphs).
+PROBE_CACHE = "CLOUDSEG_PROBE_CACHE"
 
 
 @dataclass
@@ -167,12 +175,64 @@ def peak_bytes(device: torch.device, run) -> int:
 def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size, device) -> float:
     """Peak CUDA bytes of a training step at `micro_batch`, plus the AdamW state a step adds.
 
-    The step runs twice and the second is measured: with cuDNN's benchmark mode the first
-    searches algorithms, and the second holds the workspaces that training will hold."""
+    One step, measured, with cuDNN's heuristics picking its algorithms: cuDNN's benchmark mode
+    would time every algorithm for each new shape (about 10 s a probe at full resolution on an
+    H100, 2026-11-26), shapes that training may never use (the probes of 2 and 1 after 4 did not
+    fit). Training's own search then takes workspaces only where they can be had: cuDNN skips an
+    algorithm whose workspace the allocator refuses, so that search never runs a step out of memory."""
     dtype = autocast_dtype(config.train.precision, device)
-    probe_step(model, micro_batch, image_size, device, dtype)
-    peak = peak_bytes(device, lambda: probe_step(model, micro_batch, image_size, device, dtype))
+    with without_cudnn_search():
+        peak = peak_bytes(device, lambda: probe_step(model, micro_batch, image_size, device, dtype))
     return peak + 2 * parameter_bytes(model)  # AdamW's exp_avg and exp_avg_sq, allocated at the first step
+
+
+def probe_cache() -> Path | None:
+    """The file of remembered probes (PROBE_CACHE), or None where the user set it empty."""
+    named = os.environ.get(PROBE_CACHE)
+    if named is not None:
+        return Path(named) if named else None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cloudseg" / "probes.json"
+
+
+def probe_key(model: CloudNet, config: Config, micro_batch: int, image_size, device) -> str:
+    """What a probe's peak depends on: the GPU, PyTorch and cuDNN, the precision, the shape, and the
+    model as built (its modules, checkpointing's wrappers and the memory format of its weights)."""
+    card = torch.cuda.get_device_properties(device)
+    wrapped = [name for name, module in model.named_modules() if "forward" in vars(module)]
+    channels_last = next(model.parameters()).dim() == 4 and next(model.parameters()).is_contiguous(
+        memory_format=torch.channels_last)
+    built = hashlib.sha256(f"{model!r} {wrapped} {channels_last}".encode()).hexdigest()[:16]
+    return (f"{card.name} {card.total_memory} | torch {torch.__version__} cudnn {torch.backends.cudnn.version()} | "
+            f"{autocast_dtype(config.train.precision, device)} | {micro_batch}x{image_size[0]}x{image_size[1]} | {built}")
+
+
+def probed_peak(model: CloudNet, config: Config, micro_batch: int, image_size, device, remember: Path | None) -> float:
+    """`measured_peak`, or where the file `remember` holds a probe of the same `probe_key` (this
+    GPU, software, precision, shape and model), its peak, with no step run; a new measurement is
+    added to that file. An out-of-memory probe is not remembered: what fits depends on the cap."""
+    if remember is None:
+        return measured_peak(model, config, micro_batch, image_size, device)
+    key, known = probe_key(model, config, micro_batch, image_size, device), remembered_probes(remember)
+    if key in known:
+        log.info("probe of micro-batch %d: %.2f GiB, remembered in %s (%s= empty: probe anew)", micro_batch,
+                 known[key] / 2**30, remember, PROBE_CACHE)
+        return known[key]
+    peak = measured_peak(model, config, micro_batch, image_size, device)
+    try:
+        with atomic_path(remember) as tmp:
+            tmp.write_text(json.dumps({**remembered_probes(remember), key: peak}, indent=1))
+    except OSError as error:  # a read-only home: the run goes on, probing again next time
+        log.warning("could not remember the probe in %s: %s", remember, error)
+    return peak
+
+
+def remembered_probes(path: Path) -> dict[str, float]:
+    """The remembered peaks; none where the file is missing or not what `probed_peak` writes."""
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def available_bytes(device: torch.device) -> int:
@@ -192,12 +252,14 @@ def planned_micro_batch(config: Config, world: int) -> int:
     return max(d for d in divisors(config.train.effective_batch // world) if d <= PLANNED_MICRO_BATCH)
 
 
-def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, world: int = 1) -> str:
+def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, world: int = 1,
+                          remember: Path | None = None) -> str:
     """`train.checkpointing`; for `auto`, the least recomputation (none, then encoder, then full)
     under which the planned micro-batch fits this GPU, by real probe steps, agreed across
     processes (the most any of them needs). Where even `full` does not fit, `full`, and
     `train.micro_batch` becomes auto so that it shrinks. On the CPU, auto means none.
-    Leaves `model` in whichever mode it probed last: set the returned mode on it."""
+    Leaves `model` in whichever mode it probed last: set the returned mode on it. `remember`: the
+    file of remembered probes (`probed_peak`), or None to measure every one."""
     if config.train.checkpointing != "auto":
         return config.train.checkpointing
     if device.type != "cuda":
@@ -211,7 +273,7 @@ def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, w
     for mode in CHECKPOINTING_MODES:
         set_checkpointing(model, mode)
         try:
-            peaks[mode] = measured_peak(model, config, micro_batch, image_size, device) + buckets
+            peaks[mode] = probed_peak(model, config, micro_batch, image_size, device, remember) + buckets
         except torch.cuda.OutOfMemoryError:
             peaks[mode] = None
         if peaks[mode] is not None and peaks[mode] <= capacity:
@@ -229,10 +291,12 @@ def resolve_checkpointing(config: Config, model: CloudNet, image_size, device, w
     return agreed
 
 
-def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, world: int = 1) -> int:
+def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, world: int = 1,
+                        remember: Path | None = None) -> int:
     """`train.micro_batch`, probing the largest that fits when it is `auto` (`world`: processes
-    that share each window). Every process probes its own GPU, and all take the smallest
-    answer: the sampler cuts windows by it, so the processes must agree."""
+    that share each window; `remember` as for `resolve_checkpointing`). Every process probes its
+    own GPU, and all take the smallest answer: the sampler cuts windows by it, so the processes
+    must agree."""
     micro_batch = config.train.micro_batch
     if micro_batch != "auto":
         return micro_batch
@@ -245,7 +309,7 @@ def resolve_micro_batch(config: Config, model: CloudNet, image_size, device, wor
         log.info("train.micro_batch=auto on %s: nothing to probe, using %d", device, chosen)
         return chosen
     buckets = parameter_bytes(model) if world > 1 else 0  # DDP's gradient buckets: one more copy of the gradients
-    chosen = largest_fitting(candidates, lambda n: measured_peak(model, config, n, image_size, device) + buckets
+    chosen = largest_fitting(candidates, lambda n: probed_peak(model, config, n, image_size, device, remember) + buckets
                              + outside_allocator(config, image_size, n), available_bytes(device))
     agreed = distributed.smallest(chosen, device)
     if agreed != chosen:

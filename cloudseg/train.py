@@ -39,12 +39,13 @@ from cloudseg.flops import peak_seconds_per_image
 from cloudseg.hardware import (autocast_dtype, needs_grad_scaler, require_deterministic_kernels, require_usable_device,
                                resolve_device, resolve_precision, speed_switches)
 from cloudseg.loss import per_image_loss
-from cloudseg.memory import resolve_checkpointing, resolve_micro_batch
+from cloudseg.memory import probe_cache, resolve_checkpointing, resolve_micro_batch
 from cloudseg.metrics import dice, resize_masks, summarize
 from cloudseg.model import (CloudNet, build_model, load_weights, pad_stem, prepare_for_training, set_checkpointing,
                             train_mode, unwrapped)
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
 from cloudseg.postprocess import RULE_FILE, TOP_K, apply_rule, quantize, write_rule_file
+from cloudseg.startclock import StartClock
 from cloudseg.predict import batch_probabilities
 from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
 from cloudseg.swa import average_checkpoints, chosen_epochs, epoch_path, recompute_norm_statistics
@@ -110,6 +111,7 @@ class Run:
     ema: AveragedModel | None = None  # train.ema: the averaged weights, validated and saved as the model
     peak_seconds: float = math.nan  # one image's FLOPs at the GPUs' datasheet peak: images/s × this = MFU
     history: list[dict] = field(default_factory=list)  # one metrics row per finished epoch
+    start_clock: StartClock | None = None  # until the first window has stepped: the time to it, by stage
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -146,15 +148,17 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
 def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progress | None]:
     """Build the run (from last.pt when resuming); returns it, the epoch to run and the
     progress within that epoch (None at an epoch's start)."""
+    clock = StartClock()
     device = distributed.start(resolve_device(config.train.device))
     seed_everything(config.seed)
     seeded_cuda = cuda_rng_state(device)  # where a resume on another number of GPUs may start from
     train_set, valid_set = datasets(config, device)
+    clock.mark("data index")
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
     require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
     # before the probes, so that they measure the same algorithms
     speed_switches(device, config.train.deterministic, config.train.speedups.cudnn_search)
-    model = training_model(config, train_set.image_size, device, pretrained=not resume)  # resumed: last.pt's weights
+    model = training_model(config, train_set.image_size, device, pretrained=not resume, clock=clock)  # resumed: last.pt's weights
     dtype = autocast_dtype(config.train.precision, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
@@ -180,13 +184,17 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     run.peak_seconds = peak_seconds_per_image(config.model, train_set.image_size, device, distributed.world_size())
     if resume and run.ema is not None:
         restore_ema(saved, run_dir / "last.pt", model, run.ema)
+    clock.mark("set-up")
+    run.start_clock = clock
     return run, start_epoch, progress
 
 
-def training_model(config: Config, image_size, device: torch.device, pretrained: bool = True) -> CloudNet:
+def training_model(config: Config, image_size, device: torch.device, pretrained: bool = True,
+                   clock: StartClock | None = None) -> CloudNet:
     """The model on `device` with the memory switches of `train.*`; `checkpointing` and
     `micro_batch` are resolved into `config` (probed on a GPU where they are auto). Without
-    `pretrained`, no encoder weights are downloaded (a resume loads its own, offline too)."""
+    `pretrained`, no encoder weights are downloaded (a resume loads its own, offline too).
+    `clock` marks the model's stage and the probes'."""
     model = build_model(config.model, pretrained)
     require_deterministic_kernels(model, image_size, device, config.train.deterministic)  # before any probe's backward
     model = model.to(device)
@@ -194,10 +202,15 @@ def training_model(config: Config, image_size, device: torch.device, pretrained:
         log.warning("model.norm=frozen with random encoder weights freezes meaningless statistics (0 and 1)")
     prepare_for_training(model, config.train.channels_last, "none")
     pad_stem(model, config.train.speedups.pad_stem)
+    if clock:
+        clock.mark("model")
     world = distributed.world_size()
-    config.train.checkpointing = resolve_checkpointing(config, model, image_size, device, world)
+    remember = probe_cache() if device.type == "cuda" else None  # the probes run on CUDA only
+    config.train.checkpointing = resolve_checkpointing(config, model, image_size, device, world, remember)
     set_checkpointing(model, config.train.checkpointing)
-    config.train.micro_batch = resolve_micro_batch(config, model, image_size, device, world)
+    config.train.micro_batch = resolve_micro_batch(config, model, image_size, device, world, remember)
+    if clock:
+        clock.mark("probes")
     return model
 
 
@@ -280,6 +293,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
         progress.windows += 1
         if images:  # else every sample was unreadable (skip mode): nothing to learn from
             result, run.micro_batch = resilient_step(run.step, window, run.micro_batch, images, blank)
+            first_step_taken(run)
             progress.images += images
             in_a_row = count_skip(result, in_a_row, progress, desc, config.train.max_skipped_windows)
             if not result.skipped:
@@ -294,6 +308,15 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
             return True
     progress.seconds += time.perf_counter() - started
     return False
+
+
+def first_step_taken(run: Run) -> None:
+    """After a window has stepped (its loss read: the GPU is done with it): the first time, log
+    how long the run took to get there, by stage (startclock.py)."""
+    if run.start_clock is not None:
+        run.start_clock.mark("first window (loading + compile + step)")  # compile: where train.compile compiles
+        log.info(run.start_clock.line())
+        run.start_clock = None
 
 
 def blank_batch(image_size) -> dict:

@@ -20,6 +20,9 @@ from tests.fake_cuda import CU126_ARCHS, FakeCuda, present_to_all_but_torch
 # torchrun subprocesses.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+# No test remembers a memory probe in the user's cache, nor takes one from it (memory.probed_peak):
+# tests/test_cuda_paths.py names a file of its own where it means to.
+os.environ["CLOUDSEG_PROBE_CACHE"] = ""
 
 # A GPU as users have one. Every user has a GPU, this machine and CI have none: a test that silently
 # assumed "no CUDA" passed here and failed on an H100 (issue 30). So on a machine without CUDA the

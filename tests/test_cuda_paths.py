@@ -5,6 +5,7 @@ Two kinds of test: the calls into torch.cuda run against the strict fake of test
 tensors run on the CPU, their allocator reading (`memory.peak_bytes`) replaced by a number.
 """
 
+import json
 import logging
 
 import pytest
@@ -14,7 +15,7 @@ import torch.multiprocessing as mp
 from cloudseg import distributed, memory
 from cloudseg.cli import main
 from cloudseg.config import load_config
-from cloudseg.model import build_model, norm_statistics, prepare_for_training
+from cloudseg.model import build_model, norm_statistics, prepare_for_training, set_checkpointing
 from tests.fake_cuda import H100, Card, FakeCuda
 
 GPU0 = torch.device("cuda", 0)
@@ -85,26 +86,90 @@ def test_peak_bytes_reads_the_allocator_after_the_run_has_finished(fake_cuda):
                                                 "empty_cache"]
 
 
-def test_measured_peak_warms_up_then_measures_a_real_backward_and_leaves_the_model_as_it_was(tiny_model, monkeypatch):
-    """Would catch: measuring the first step (cuDNN's algorithm search, not what training holds),
-    no backward in the measured run, forgetting AdamW's two states, and a probe that trains
-    (gradients or BatchNorm statistics left behind)."""
+def test_measured_peak_measures_one_real_backward_without_cudnn_s_search_and_leaves_the_model_as_it_was(
+        tiny_model, monkeypatch):
+    """Issue #60: a probe runs with cuDNN's benchmark mode off (it timed every algorithm of every
+    probed shape, about 10 s a probe at full resolution), and training's mode is back after it.
+    Would catch: a planted `benchmark = True` in the probe (or the search left on), the mode not
+    restored for training, a warm-up step before the measured one (a second step, the search's
+    old reason), no backward in the measured run, forgetting AdamW's two states, and a probe that
+    trains (gradients or BatchNorm statistics left behind)."""
     model, config = tiny_model
     statistics = norm_statistics(model)
-    backwards = []
+    backwards, searching = [], []
     next(model.parameters()).register_hook(lambda grad: backwards.append(1))
 
     def peak_bytes(device, run):
-        assert device == CPU and len(backwards) == 1  # the warm-up step has run, unmeasured
+        assert device == CPU and not backwards  # no step before the measured one
+        searching.append(torch.backends.cudnn.benchmark)
         run()
-        assert len(backwards) == 2
+        assert len(backwards) == 1
         return 3 * GiB
 
     monkeypatch.setattr(memory, "peak_bytes", peak_bytes)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # as speed_switches leaves it for training
     assert memory.measured_peak(model, config, 2, (64, 96), CPU) == 3 * GiB + 2 * memory.parameter_bytes(model)
+    assert searching == [False] and torch.backends.cudnn.benchmark is True
     assert all(p.grad is None for p in model.parameters())
     for name, value in norm_statistics(model).items():
         assert torch.equal(value, statistics[name]), name
+
+
+def test_a_probe_is_remembered_for_the_same_gpu_shape_precision_and_model(tiny_model, fake_cuda, monkeypatch, tmp_path):
+    """Issue #60: `cloudseg train` probes again only what it never probed on this GPU. Would catch:
+    a remembered peak taken for another micro-batch, precision, image size, checkpointing mode or
+    GPU (each is a new probe here), a probe run though it is remembered, an out-of-memory probe
+    remembered (what fits depends on the cap), a damaged file that stops the run, and a probe kept
+    when the user set no file (None)."""
+    model, config = tiny_model
+    cuda = fake_cuda(H100)
+    measured = []
+
+    def measured_peak(model, config, n, image_size, device):
+        measured.append((n, image_size, config.train.precision))
+        if n == 8:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return float(len(measured) * GiB)
+
+    monkeypatch.setattr(memory, "measured_peak", measured_peak)
+    cache = tmp_path / "probes.json"
+    bf16 = config.model_copy(deep=True)
+    bf16.train.precision = "bf16"
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 1 * GiB
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 1 * GiB and len(measured) == 1
+    assert memory.probed_peak(model, bf16, 2, (64, 96), GPU0, cache) == 2 * GiB  # another micro-batch
+    assert memory.probed_peak(model, bf16, 4, (64, 128), GPU0, cache) == 3 * GiB  # another size
+    fp16 = config.model_copy(deep=True)
+    fp16.train.precision = "fp16"
+    assert memory.probed_peak(model, fp16, 4, (64, 96), GPU0, cache) == 4 * GiB  # another precision
+    set_checkpointing(model, "full")
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 5 * GiB  # another mode
+    set_checkpointing(model, "none")
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 1 * GiB and len(measured) == 5
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        memory.probed_peak(model, bf16, 8, (64, 96), GPU0, cache)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        memory.probed_peak(model, bf16, 8, (64, 96), GPU0, cache)
+    assert len(json.loads(cache.read_text())) == 5
+    cuda.cards[0] = Card("NVIDIA A100-SXM4-40GB", (8, 0), 40 * GiB)
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 8 * GiB  # another GPU
+    cache.write_text("{not json")
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 9 * GiB
+    assert len(json.loads(cache.read_text())) == 1
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, None) == 10 * GiB
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, None) == 11 * GiB
+
+
+def test_the_probe_file_is_the_one_the_user_names_or_none(monkeypatch, tmp_path):
+    """Would catch: the variable ignored, an empty one taken as a file named '' rather than none,
+    and the default not beside inductor's cache in the user's cache folder."""
+    monkeypatch.setenv(memory.PROBE_CACHE, str(tmp_path / "mine.json"))
+    assert memory.probe_cache() == tmp_path / "mine.json"
+    monkeypatch.setenv(memory.PROBE_CACHE, "")
+    assert memory.probe_cache() is None
+    monkeypatch.delenv(memory.PROBE_CACHE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert memory.probe_cache() == tmp_path / "cloudseg" / "probes.json"
 
 
 def fake_probes(monkeypatch, peak_of):
