@@ -10,6 +10,9 @@ with its process group at that limit, and keeps what it printed by then):
              again, i), the compiled step's split, the checkpointing modes, the careless baselines,
              inference with 4-flip TTA, loading; its JSON (rewritten after every row) feeds the
              ratio against the fastest alternative and the epoch part
+  start      `cloudseg train` (configs/fullres.yaml, one window of 16 images): the time from the
+             command to its first optimizer step, by stage, with inductor's cache and the probes
+             cold (fresh folders), then warm (issue #60)
   memory     `cloudseg memory --limit-gb 6` and `8` (configs/fullres.yaml): real steps under each
              cap, what checkpointing auto picks there and its peak
   segment    benchmarks/segment_speed.py: rows a-f on two 7000x18000 scenes (as on 2026-11-26),
@@ -34,7 +37,7 @@ the parts share their compiles and a second `make bench` on the same machine com
 the same commands and flags, only sizes and device differ, so the GPU run cannot fail on a typo.
 
 Usage: python benchmarks/report.py [--out bench/report.md] [--budget-s 570] [--device auto|cpu|cuda]
-       [--parts training memory segment epoch predict] [--autotune] [--tiny]
+       [--parts training start memory segment epoch predict] [--autotune] [--tiny]
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ from cloudseg.files import atomic_path
 from cloudseg.hardware import resolve_device, resolve_precision
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("training", "memory", "segment", "epoch", "predict")
-LIMIT_S = {"training": 560, "memory": 120, "segment": 300, "epoch": 150, "predict": 90,
+PARTS = ("training", "start", "memory", "segment", "epoch", "predict")
+LIMIT_S = {"training": 560, "start": 240, "memory": 120, "segment": 300, "epoch": 150, "predict": 90,
            "autotune": 560}  # each part's own limit, within the budget left
 CAPS_GB = (6, 8)
 # The opt-in part: the training benchmark again, with inductor's max-autotune among issue #37's candidates.
@@ -76,6 +79,8 @@ class Sizes:
     segment: list[str]
     synth: list[str]
     train: list[str]  # the config file, then overrides
+    start_synth: list[str]  # the start part's data: one window of training images in fold 0's training folds
+    start_train: list[str]  # its config file, then overrides
     memory: list[str]
     caps: tuple[int, ...]
 
@@ -85,7 +90,9 @@ FULL = Sizes(training=["--steps", "4", "--warmup", "2"],
                       "--repeat", "1", "--config", "configs/fullres.yaml"],
              synth=["--n-train", "160", "--n-test", "32"],  # Kaggle's 1400x2100: synth's default size
              train=["configs/fullres.yaml", "model.encoder_weights=null", "train.epochs=2", "data.num_workers=8"],
-             memory=["-c", "configs/fullres.yaml", "model.encoder_weights=null"], caps=CAPS_GB)
+             memory=["-c", "configs/fullres.yaml", "model.encoder_weights=null"], caps=CAPS_GB,
+             start_synth=["--n-train", "20", "--n-test", "1"],  # 16 in fold 0's training folds: one window
+             start_train=["configs/fullres.yaml", "model.encoder_weights=null", "train.epochs=1", "data.num_workers=8"])
 TINY = Sizes(training=["--height", "64", "--width", "96", "--encoder", "resnet18", "--micro-batch", "2",
                        "--effective-batch", "4", "--steps", "1", "--warmup", "1", "--loader-size", "64", "96",
                        "--loader-images", "2"],
@@ -94,7 +101,10 @@ TINY = Sizes(training=["--height", "64", "--width", "96", "--encoder", "resnet18
              synth=["--n-train", "12", "--n-test", "4", "--height", "64", "--width", "96"],
              train=["configs/demo.yaml", "train.epochs=2", "data.num_workers=0", "data.n_folds=3",
                     "model.decoder_channels=[32,32]", "model.cls_head=false"],
-             memory=["-c", "configs/demo.yaml", "data.image_size=[64,96]"], caps=())  # a cap needs CUDA
+             memory=["-c", "configs/demo.yaml", "data.image_size=[64,96]"], caps=(),  # a cap needs CUDA
+             start_synth=["--n-train", "12", "--n-test", "1", "--height", "64", "--width", "96"],
+             start_train=["configs/demo.yaml", "train.epochs=1", "data.num_workers=0", "data.n_folds=3",
+                          "model.decoder_channels=[32,32]", "model.cls_head=false"])
 
 
 @dataclass
@@ -110,12 +120,12 @@ class Report:
     summary: list[tuple[str, float, str]] = field(default_factory=list)
     part_deadline: float = 0.0  # the running part's own limit, however many commands it runs
 
-    def run(self, part: str, command: list[str], limit_s: float) -> tuple[str, str]:
-        """Run `command` (python arguments) in its own process group, killed at `limit_s`; returns
-        (its output, status: ok, "exit N" or "cut at N s"). The output goes to a file as it comes,
-        so a part cut short keeps what it printed."""
+    def run(self, part: str, command: list[str], limit_s: float, env: dict | None = None) -> tuple[str, str]:
+        """Run `command` (python arguments) in its own process group, with `env` added to the
+        environment, killed at `limit_s`; returns (its output, status: ok, "exit N" or "cut at N s").
+        The output goes to a file as it comes, so a part cut short keeps what it printed."""
         log = self.work / f"{part}-{len(self.summary)}.log"
-        environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+        environment = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         with open(log, "w") as sink:
             process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=environment, stdout=sink,
@@ -211,6 +221,22 @@ def epoch_against_step(metrics_csv: Path, training_json: Path, device: torch.dev
     return "\n".join(lines)
 
 
+def part_start(report: Report) -> str:
+    """How long `cloudseg train` (configs/fullres.yaml on a GPU) takes from the command to its first
+    optimizer step, by stage (its log's line, cloudseg/startclock.py): first with an empty folder of
+    inductor's cache and no remembered probes (cold), then again with what the first left (warm)."""
+    data = report.work / "start-data"
+    text = section(report, "start", ["-m", "cloudseg", "synth", "--out", str(data), *report.sizes.start_synth])
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(report.work / "start-inductor"),
+              "CLOUDSEG_PROBE_CACHE": str(report.work / "start-probes.json")}
+    config, *overrides = report.sizes.start_train
+    for when in ("cold", "warm"):
+        text += f"\n\n{when}: " + section(report, "start", [
+            "-m", "cloudseg", "train", "-c", config, "--out", str(report.work / f"start-{when}"), *overrides,
+            f"data.dir={data}", f"train.device={report.device.type}"], env=caches, matching="first optimizer step")
+    return text
+
+
 def part_predict(report: Report) -> str:
     """`cloudseg predict` with 4-flip TTA on the epoch part's run, timed end to end (start-up,
     loading, compiling included)."""
@@ -229,23 +255,28 @@ def part_predict(report: Report) -> str:
                    f"{test_images / seconds:.2f} images/s (a new process: imports, loading and compiling included)")
 
 
-def section(report: Report, part: str, command: list[str], keep_lines: int | None = None) -> str:
-    """Runs one command of `part` within its limit and the budget; its output as markdown. `keep_lines`:
-    only the output's last lines (a training run's log)."""
+def section(report: Report, part: str, command: list[str], keep_lines: int | None = None, env: dict | None = None,
+            matching: str | None = None) -> str:
+    """Runs one command of `part` within its limit and the budget, with `env` added to its
+    environment; its output as markdown. `keep_lines`: only the output's last lines (a training
+    run's log); `matching`: only the lines that hold it."""
     limit = min(report.part_deadline - time.monotonic(), report.left_s())
     if limit < 1:
         return f"`{command[0]} {command[1]}`: left out, the part's {LIMIT_S[part]} s are spent"
     start = time.monotonic()
-    output, status = report.run(part, command, limit)
+    output, status = report.run(part, command, limit, env)
     seconds = time.monotonic() - start
     report.summary.append((" ".join(command[:3]), seconds, status))
+    if matching:
+        output = "\n".join(line for line in output.splitlines() if matching in line)
     if keep_lines:
         output = "\n".join(output.splitlines()[-keep_lines:])
     shown = " ".join(["python", *command]).replace(str(report.work), "WORK")
     return f"`{shown}`: {status}, {seconds:.1f} s\n\n{markdown(output)}"
 
 
-PART_FUNCTIONS = {"training": part_training, "memory": part_memory, "segment": part_segment, "epoch": part_epoch,
+PART_FUNCTIONS = {"training": part_training, "start": part_start, "memory": part_memory, "segment": part_segment,
+                  "epoch": part_epoch,
                   "predict": part_predict}
 
 

@@ -40,7 +40,7 @@ def run_report(tmp_path, *options: str) -> tuple[str, str]:
 
 
 @pytest.mark.slow  # 80-95 s each on 2 cores: `make test-all`; the GPU plan's arguments are parsed below in make test
-@pytest.mark.parametrize("parts", [("training", "memory"), ("segment", "epoch", "predict")])
+@pytest.mark.parametrize("parts", [("training", "memory"), ("start", "segment", "epoch", "predict")])
 def test_every_part_runs_end_to_end_at_toy_sizes(parts, tmp_path):
     """Each part's commands, on the CPU beside the fake GPU, at toy sizes: every command exits 0, and
     the report holds each part's section and table. Would catch: a flag or override that a script
@@ -53,6 +53,8 @@ def test_every_part_runs_end_to_end_at_toy_sizes(parts, tmp_path):
     assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(parts)
     expected = {"training": ["| d. cloudseg eager, fp32 |", "batch-norm backend"],
                 "memory": ["auto picks", "breakdown at micro-batch"],
+                "start": ["cold: `python -m cloudseg train", "warm: `python -m cloudseg train",
+                          "first optimizer step", "first window (loading + compile + step)"],
                 "segment": ["| f. cloudseg segment, no model, overlap 0.25 (batch 4) |"],
                 "epoch": ["best validation Dice", "(no comparison: training.json missing)"],  # training not run here
                 "predict": ["test images with 4-flip TTA in"]}
@@ -100,6 +102,10 @@ def test_the_gpu_plan_s_cloudseg_commands_and_overrides_parse():
     for cap in report.FULL.caps:
         parser.parse_args(["memory", *report.FULL.memory, "train.device=cuda", "--limit-gb", str(cap)])
     load_config(report.FULL.memory[1], report.FULL.memory[2:])
+    config, *overrides = report.FULL.start_train
+    assert parser.parse_args(["train", "-c", config, "--out", "run", *overrides, "data.dir=d", "train.device=cuda"])
+    load_config(config, [*overrides, "train.device=cuda"])
+    assert parser.parse_args(["synth", "--out", "d", *report.FULL.start_synth])
     parser.parse_args(["predict", "--checkpoint", "best.pt", "--out", "s.csv", "--device", "cuda", "predict.tta=d4-lite"])
 
 

@@ -32,6 +32,7 @@ def tiny_config(data, *more):
 
 def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
     run = tmp_path / "run"
+    caplog.set_level(logging.INFO, logger="cloudseg")
     assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *TINY]) == 0
     assert {"best.pt", "last.pt", "config.yaml", "metrics.csv", "train.log"} <= {p.name for p in run.iterdir()}
     metrics = pd.read_csv(run / "metrics.csv")
@@ -52,9 +53,11 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
     assert tuned["cv_dice"]["after"]["mean"] == pytest.approx(metrics["dice_tuned"].max(), abs=2e-3)
     assert tuned["cv_dice"]["after"]["mean"] >= tuned["cv_dice"]["before"]["mean"]
     assert "best validation Dice" in capsys.readouterr().out
+    first_steps = [record.message for record in caplog.records if "first optimizer step" in record.message]
+    assert len(first_steps) == 1, first_steps  # once, at the first window: not each epoch's
+    assert_the_start_adds_up(first_steps[0])
 
     sub = tmp_path / "submission.csv"
-    caplog.set_level(logging.INFO, logger="cloudseg")
     assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(sub), "--device", "cpu"]) == 0
     assert f"the tuned rule of {(run / 'postprocess.json').resolve()}" in caplog.text  # applied by default
     frame = pd.read_csv(sub, keep_default_na=False)
@@ -77,6 +80,17 @@ def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
     assert main(["predict", "--checkpoint", str(run / "best.pt"), "--out", str(run), "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip() == (  # told before predicting, not by the final rename
         f"cloudseg: error: {run}: --out is a folder, not a file; name the submission's CSV (submission.csv)")
+
+
+def assert_the_start_adds_up(line: str) -> None:
+    """Issue #60's clock: the time to the first optimizer step, by stage in the order they run,
+    adding up to its total (each rounded to 0.1 s)."""
+    total, stages = re.fullmatch(r".*first optimizer step ([\d.]+) s after the command started: (.*)", line).groups()
+    seconds = dict(re.fullmatch(r"(.+) ([\d.]+) s", stage).groups() for stage in stages.split(", "))
+    assert [name.split(" (")[0] for name in seconds] == ["start-up", "data index", "model", "probes", "set-up",
+                                                         "first window"]
+    assert sum(map(float, seconds.values())) == pytest.approx(float(total), abs=0.051 * len(seconds))
+    assert 0 < float(seconds["start-up"]) < float(total)
 
 
 def test_existing_run_is_not_overwritten(data, tmp_path, capsys):
