@@ -7,7 +7,7 @@
 # ../shared/tools/device-wheels.sh) are installed first, and make's install step is skipped (STAMP=).
 # `make bench` gets LIMIT_S less TEST_S less what setting up took, less 20 s for the end.
 # TESTS, a pytest -k expression, picks the GPU tests (those a window never reached, BENCHMARKS.md);
-# PARTS, `make bench`'s parts in the order run; STUDIES, which of the import and cuDNN studies to run
+# PARTS, `make bench`'s parts in the order run ("none": no make bench); STUDIES, which of the import and cuDNN studies to run
 # (imports, cudnn; "none": neither); FIRST, a command run before everything else (the open issue's
 # measurement, its output in OUT/first.log), within LIMIT_S.
 #   usage: OUT=dir [FIRST="command"] bash benchmarks/gpu_window.sh [LIMIT_S=570] [TEST_S=0] [TESTS] [PARTS] [STUDIES]
@@ -61,9 +61,10 @@ if [ -n "${FIRST:-}" ]; then
 fi
 
 budget=$((LIMIT_S - TEST_S - (SECONDS - start) - 20))
-make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts $PARTS" \
-  >"$OUT/bench.log" 2>&1
-echo "make bench: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
+if [ "$PARTS" != "none" ]; then
+  make bench PY=python3 STAMP= BENCH_ARGS="--budget-s $budget --parts $PARTS" >"$OUT/bench.log" 2>&1
+  echo "make bench: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
+fi
 
 # Tests slower than 20 s leave their profile in OUT/profiles (tests/report_now.py --profile-slow),
 # the one the time limit cuts too; profiled, the tests' times are somewhat longer than without.
