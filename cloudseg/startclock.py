@@ -27,14 +27,20 @@ def seconds_since_process_start() -> float | None:
     return max(0.0, uptime - started)
 
 
+_first_run = [True]  # the first run in this process is the one whose start-up is the process's
+
+
 class StartClock:
-    """The stages of a run's start, each `mark`ed as it ends; the first, start-up, is the time
-    from the process's start to the clock's (none where the process's start is unknown)."""
+    """The stages of a run's start, each `mark`ed as it ends. The first run of a process starts
+    with start-up, the time from the process's start to the clock's (where /proc tells it); a later
+    one (the next fold of an every-fold run) from its own start. `age`: the process's, for tests."""
 
     def __init__(self, clock=time.monotonic, age: float | None = None):
         self.clock = clock
         self.last = clock()
-        age = seconds_since_process_start() if age is None else age
+        if age is None and _first_run[0]:
+            age = seconds_since_process_start()
+        _first_run[0] = False
         self.stages: list[tuple[str, float]] = [] if age is None else [("start-up", age)]
 
     def mark(self, stage: str) -> None:
@@ -49,4 +55,5 @@ class StartClock:
     def line(self) -> str:
         """One line of the whole start, stage by stage."""
         stages = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in self.stages)
-        return f"first optimizer step {self.total():.1f} s after the command started: {stages}"
+        since = "the command started" if self.stages and self.stages[0][0] == "start-up" else "this run's start"
+        return f"first optimizer step {self.total():.1f} s after {since}: {stages}"

@@ -30,3 +30,20 @@ def test_the_process_s_age_is_read_from_its_start():
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 1.0 <= age < 30
     assert seconds_since_process_start() == pytest.approx(seconds_since_process_start(), abs=0.05)
+
+
+def test_a_later_run_in_the_process_counts_from_its_own_start(monkeypatch):
+    """The next fold of an every-fold run starts long after the process did: its line counts from
+    its own start, with no start-up stage. Would catch: each fold's start-up taken as the process's
+    age (the folds before it counted again in every later fold's total)."""
+    from cloudseg import startclock
+
+    monkeypatch.setattr(startclock, "_first_run", [True])
+    monkeypatch.setattr(startclock, "seconds_since_process_start", lambda: 40.0)
+    first = StartClock(clock=iter([0.0, 1.0]).__next__)
+    first.mark("data index")
+    later = StartClock(clock=iter([100.0, 101.5]).__next__)
+    later.mark("data index")
+    assert first.stages == [("start-up", 40.0), ("data index", 1.0)]
+    assert later.stages == [("data index", 1.5)]
+    assert later.line() == "first optimizer step 1.5 s after this run's start: data index 1.5 s"

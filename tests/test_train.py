@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cloudseg import model as model_module
+from cloudseg import startclock
 from cloudseg import train as train_module
 from cloudseg.checkpoint import load_checkpoint, save_checkpoint
 from cloudseg.cli import main
@@ -30,9 +31,10 @@ def tiny_config(data, *more):
     return load_config("configs/demo.yaml", [f"data.dir={data}", *TINY, *more])
 
 
-def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog):
+def test_train_predict_evaluate_through_the_cli(data, tmp_path, capsys, caplog, monkeypatch):
     run = tmp_path / "run"
     caplog.set_level(logging.INFO, logger="cloudseg")
+    monkeypatch.setattr(startclock, "_first_run", [True])  # as in a new process, whatever ran in this one
     assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}", *TINY]) == 0
     assert {"best.pt", "last.pt", "config.yaml", "metrics.csv", "train.log"} <= {p.name for p in run.iterdir()}
     metrics = pd.read_csv(run / "metrics.csv")
