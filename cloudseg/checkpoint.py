@@ -44,6 +44,9 @@ import torch
 from cloudseg.files import atomic_path
 
 REQUIRED_KEYS = ("model", "config", "epoch", "step")
+# An every-fold run's best.pt (cloudseg/every_fold.py) holds no model: under this key, its folds'
+# checkpoints, relative to its folder, which prediction loads in its place (`fold_checkpoints`).
+FOLDS = "folds"
 PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 # What loading a checkpoint of an older cloudseg needs beyond plain values: NumPy arrays and scalars
 # (the RNG states, metrics) and the Problems of an interrupted epoch.
@@ -98,15 +101,16 @@ def fingerprint(state: dict) -> str:
     return hashlib.sha256(json.dumps(trained, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def torch_load(path: str | Path, *, weights_only: bool):
-    """torch.load on CPU; errors are one line naming the file."""
+def torch_load(path: str | Path, *, weights_only: bool, mmap: bool = False):
+    """torch.load on CPU (`mmap`: tensors mapped from the file, read when used); errors are one
+    line naming the file."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path}: a folder, not a checkpoint; name the file (a run's is {path / 'best.pt'})")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: checkpoint not found")
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except Exception as error:
         # an object it will not build, in a torch.save file (a web page or random bytes fail to unpickle too)
         if weights_only and isinstance(error, pickle.UnpicklingError) and zipfile.is_zipfile(path):
@@ -115,8 +119,27 @@ def torch_load(path: str | Path, *, weights_only: bool):
         raise ValueError(f"{path}: not a readable checkpoint ({type(error).__name__}: {first_line})") from None
 
 
+def fold_checkpoints(path: str | Path) -> list[Path] | None:
+    """The checkpoints an every-fold run's best.pt names (FOLDS), each there, or None for any other
+    file. Its tensors are mapped, not read: a model's checkpoint costs this call little."""
+    path = Path(path)
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        return None  # told by whoever loads it
+    state = torch_load(path, weights_only=True, mmap=True)
+    if not isinstance(state, dict) or FOLDS not in state:
+        return None
+    folds = [path.parent / fold for fold in state[FOLDS]]
+    if missing := [str(fold) for fold in folds if not fold.is_file()]:
+        raise FileNotFoundError(f"{path} predicts with the models of its {len(folds)} folds, and "
+                                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing")
+    return folds
+
+
 def checked(state, path: Path) -> dict:
     """`state` if it is a cloudseg checkpoint's dict, else a one-line error naming `path`."""
+    if isinstance(state, dict) and FOLDS in state:
+        raise ValueError(f"{path}: an every-fold run's best.pt, naming its folds' models ({', '.join(state[FOLDS])}); "
+                         "predict and segment take it whole, anything else one fold's: give its folder's foldK/best.pt")
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         raise ValueError(f"{path}: not a cloudseg checkpoint (expected keys {', '.join(REQUIRED_KEYS)})")
     return state

@@ -342,15 +342,17 @@ def run_train(args) -> int | None:
     from cloudseg import distributed
     from cloudseg.checkpoint import load_checkpoint
     from cloudseg.config import load_config, resumed_config
-    from cloudseg.train import Interrupted, train
+    from cloudseg.every_fold import is_every_fold_run, train_run
+    from cloudseg.train import Interrupted
 
     if args.resume:
         if args.config or args.out:
             raise ValueError(f"--resume {args.resume} continues that run with its own config, in its own folder: "
                              "leave out -c and --out (key=value overrides still apply)")
         run_dir = Path(args.resume)
-        saved = load_checkpoint(run_dir / "last.pt")["config"]
-        config = resumed_config(saved, args.overrides, source=f"{run_dir}/last.pt")
+        saved = run_dir / ("config.yaml" if is_every_fold_run(run_dir) else "last.pt")
+        raw = load_config(saved).model_dump(mode="json") if saved.suffix == ".yaml" else load_checkpoint(saved)["config"]
+        config = resumed_config(raw, args.overrides, source=str(saved))
     else:
         if not args.config:
             raise ValueError("train needs -c CONFIG (or --resume RUN_DIR)")
@@ -358,7 +360,7 @@ def run_train(args) -> int | None:
         if not args.out and distributed.world_size() > 1:  # each process would pick its own timestamp
             raise ValueError("train on several processes needs --out RUN_DIR")
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / "last.pt").exists():
+        if (run_dir / "last.pt").exists() or is_every_fold_run(run_dir):
             raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -371,7 +373,7 @@ def run_train(args) -> int | None:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         with logging_redirect_tqdm():
-            history = train(config, run_dir, resume=bool(args.resume))
+            summary = train_run(config, run_dir, resume=bool(args.resume), overrides=args.overrides)
     except Interrupted as stopped:
         print(f"cloudseg: {stopped}", file=sys.stderr)
         return 130
@@ -380,12 +382,7 @@ def run_train(args) -> int | None:
             remove_unstarted_run(run_dir, handler)
         raise
     if distributed.is_main():
-        from cloudseg.train import best_epoch
-
-        best = history.iloc[best_epoch(history.to_dict("records"))]
-        print(f"run {run_dir}: best validation Dice {best['dice_tuned']:.4f} under its tuned rule "
-              f"({best['dice']:.4f} under the config's) at epoch {int(best['epoch'])}; "
-              f"predict applies {run_dir / 'postprocess.json'}")
+        print(summary)
 
 
 def remove_unstarted_run(run_dir: Path, handler: logging.Handler) -> None:

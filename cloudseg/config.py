@@ -188,6 +188,11 @@ class TrainConfig(Section):
     speedups: SpeedupsConfig = Field(
         SpeedupsConfig(), description="exact-maths speed-ups of the step, each off until measured on a GPU"
     )
+    every_fold: bool | Literal["auto"] = Field(
+        "auto", description="train every fold of data.n_folds in one run (RUN/foldK), tune one rule on all their "
+        "out-of-fold images and predict with their ensemble (RUN/best.pt names them); false = data.fold alone; "
+        "auto = every fold where the data has at most 400 training images (docs/cross-validation.md)"
+    )
 
     @model_validator(mode="after")
     def _accumulation_divides(self):

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from cloudseg import rle
-from cloudseg.checkpoint import fingerprint, load_checkpoint
+from cloudseg.checkpoint import fingerprint, fold_checkpoints, load_checkpoint
 from cloudseg.compiled import compile_logged, compiled, resolve_compile
 from cloudseg.config import FIXED_BY_CHECKPOINT, Config, PredictConfig, apply_overrides, first_change, from_dict
 from cloudseg.data import CloudDataset, make_loader, sample_rows, test_image_ids
@@ -189,9 +189,11 @@ class Ensemble(NamedTuple):
 def load_ensemble(checkpoints: list[str], postprocess_file: str | None, overrides: list[str] = (),
                   device: str = "auto", work_pixels: int | None = None) -> Ensemble:
     """Load the checkpoints on `device` (auto, cpu or cuda), take the first one's config, the
-    tuned rule (see `tuned_rule`) and then `overrides` (predict.tta=..., predict.compile=...).
+    tuned rule (see `tuned_rule`) and then `overrides` (predict.tta=..., predict.compile=...). An
+    every-fold run's best.pt stands for its folds' checkpoints, whose rule is the run's pooled one.
     `work_pixels`: the pixels of the images the call will predict, when known; predict.compile=auto
     then compiles only where they, times the test-time flips, repay it (compiled.resolve_compile)."""
+    checkpoints = [str(path) for checkpoint in checkpoints for path in fold_checkpoints(checkpoint) or [checkpoint]]
     rule_file = tuned_rule(checkpoints, postprocess_file)
     device = resolve_device(device, "--device")
     speed_switches(device, inference=True)

@@ -49,6 +49,7 @@ TINY = [
     "train.epochs=2", "train.micro_batch=2", "train.effective_batch=4", "train.warmup_steps=1", "train.device=cpu",
     "train.compile=false",  # on a CUDA machine auto would compile every test's run; tests/test_compile.py asks for it
     "model.cls_head=false",  # the tests of the head (test_head.py, the DDP test) ask for it
+    "train.every_fold=false",  # 24 images would train every fold (auto); tests/test_every_fold.py asks for it
 ]
 
 

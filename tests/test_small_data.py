@@ -23,7 +23,8 @@ def test_train_runs_to_the_end_on_a_dozen_images_with_five_folds(n_images, tmp_p
     run = tmp_path / "run"
     with pytest.warns(UserWarning, match=f"{n_images} images are too few for 5 well-balanced folds"):
         assert main(["train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}",
-                     "train.epochs=1", "data.num_workers=0", "train.device=cpu", *SMALL_MODEL]) == 0
+                     "train.epochs=1", "data.num_workers=0", "train.device=cpu", "train.every_fold=false",
+                     *SMALL_MODEL]) == 0
     assert (run / "best.pt").is_file()
     assert pd.read_csv(run / "metrics.csv")["epoch"].tolist() == [1]
     sizes = pd.read_csv(data / FOLDS_CSV)["fold"].value_counts()
@@ -42,7 +43,7 @@ def test_two_processes_train_a_dozen_images_with_five_folds(tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                "cloudseg", "train", "-c", "configs/demo.yaml", "--out", str(run), f"data.dir={data}",
-               "train.epochs=1", "data.num_workers=0", "train.device=cpu", *SMALL_MODEL]
+               "train.epochs=1", "data.num_workers=0", "train.device=cpu", "train.every_fold=false", *SMALL_MODEL]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert {"best.pt", "oof.npz", "postprocess.json"} <= {p.name for p in run.iterdir()}

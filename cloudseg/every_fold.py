@@ -1,0 +1,135 @@
+"""One fold, or every fold in one run: what `cloudseg train` trains (`train.every_fold`).
+
+Data path: train.csv → Dataset → loader → model → accumulated step → **the run: one fold, or every
+fold (train.py for each) and one rule tuned on all their out-of-fold images** → checkpoint →
+probabilities at 350×525 → post-process → submission.
+
+Where the data is small, one fold's out-of-fold images are too few to tune the rule on (13 of 64
+training images, 32 of 160), and the rule is where the score is lost: on noisy labels a rule tuned
+on the test images themselves took about 20 points more of the margin from the same probabilities
+(BENCHMARKS.md). Training every fold gives every training image's out-of-fold probabilities to one
+rule, and the folds' ensemble to predict with, for k trainings of a small dataset. So
+`train.every_fold: auto` trains every fold up to SMALL_DATASET training images, one fold above
+(Kaggle's 5,546 images: one fold, as before).
+
+An every-fold run RUN holds the folds as ordinary runs, RUN/fold0 ... RUN/fold{k-1} (each with its
+best.pt, last.pt, config.yaml, metrics.csv, oof.npz and its own rule), and beside them RUN/config.yaml
+(train.every_fold: true), the pooled rule RUN/postprocess.json (make cv's layout) and RUN/best.pt,
+which names the folds' best.pt (checkpoint.FOLDS) so that `cloudseg predict --checkpoint RUN/best.pt`
+predicts with every fold and the pooled rule. A fold with its oof.npz is done; a resume goes on with
+the fold that has a last.pt and no oof.npz, then trains the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cloudseg import distributed
+from cloudseg.checkpoint import FOLDS, load_checkpoint, save_checkpoint
+from cloudseg.config import Config, dump, load_config, resumed_config
+from cloudseg.data import read_train_csv
+from cloudseg.files import atomic_path
+from cloudseg.oof import OOF_FILE
+from cloudseg.postprocess import RULE_FILE
+from cloudseg.stopping import Interrupted
+from cloudseg.train import best_epoch, train
+from cloudseg.tune import table, tune
+
+log = logging.getLogger("cloudseg")
+
+# train.every_fold: auto trains every fold up to this many training images (all folds together).
+# Measured (docs/cross-validation.md): every fold took noisy 64- and 160-image datasets from ~60% of
+# the margin to a ceiling to over 70%; at 800 images one fold's 160 out-of-fold images came close to it.
+# 400 keeps k=5 trainings within one fold's cost on 2,000 images, well under a Kaggle-size run's.
+SMALL_DATASET = 400
+LOUD = "#" * 100
+
+
+def every_fold(config: Config) -> tuple[bool, str]:
+    """Whether this run trains every fold (train.every_fold, auto by the number of training
+    images), and why, in words."""
+    folds = config.data.n_folds
+    if config.train.every_fold != "auto":
+        return bool(config.train.every_fold), f"train.every_fold={str(config.train.every_fold).lower()}"
+    problems = [] if config.data.on_bad_sample == "skip" else None
+    images = len(read_train_csv(config.data.dir, problems))
+    if images <= SMALL_DATASET:
+        return True, (f"{images} training images, at most {SMALL_DATASET}: one fold's {images // folds} out-of-fold "
+                      f"images are too few to tune the rule on, and {folds} trainings of so few images are "
+                      "affordable (train.every_fold=false trains one fold)")
+    return False, (f"{images} training images, more than {SMALL_DATASET}: one fold's {images // folds} out-of-fold "
+                   f"images tune the rule well enough (train.every_fold=true trains all {folds} folds)")
+
+
+def is_every_fold_run(run_dir: str | Path) -> bool:
+    """Whether `run_dir` is an every-fold run: its config.yaml says train.every_fold: true."""
+    path = Path(run_dir) / "config.yaml"
+    return path.is_file() and load_config(path).train.every_fold is True
+
+
+def train_run(config: Config, run_dir: str | Path, resume: bool = False, overrides: list[str] = ()) -> str:
+    """`cloudseg train`: one fold (train.train) or every fold (`train_every_fold`), as
+    `every_fold` decides, said loudly; returns the line that sums the run up."""
+    run_dir = Path(run_dir)
+    if resume and is_every_fold_run(run_dir):
+        return train_every_fold(config, run_dir, resume=True, overrides=overrides)
+    chosen, why = (False, "a resumed run of one fold") if resume else every_fold(config)
+    if chosen:
+        log.info("%s\n# every fold: %s\n# training folds 0-%d into %s/fold*, one rule tuned on all their out-of-fold "
+                 "images; %s/best.pt predicts with the %d folds' ensemble\n%s", LOUD, why, config.data.n_folds - 1,
+                 run_dir, run_dir, config.data.n_folds, LOUD)
+        config = config.model_copy(deep=True)
+        config.train.every_fold = True
+        return train_every_fold(config, run_dir)
+    if not resume:
+        log.info("%s\n# one fold (data.fold=%d): %s\n%s", LOUD, config.data.fold, why, LOUD)
+    config = config.model_copy(deep=True)
+    config.train.every_fold = False
+    history = train(config, run_dir, resume=resume)
+    best = history.iloc[best_epoch(history.to_dict("records"))]
+    return (f"run {run_dir}: best validation Dice {best['dice_tuned']:.4f} under its tuned rule "
+            f"({best['dice']:.4f} under the config's) at epoch {int(best['epoch'])}; "
+            f"predict applies {run_dir / RULE_FILE}")
+
+
+def train_every_fold(config: Config, run_dir: Path, resume: bool = False, overrides: list[str] = ()) -> str:
+    """Every fold of `config` into run_dir/foldK (done folds skipped, a stopped one resumed with
+    `overrides`), then one rule tuned on all their out-of-fold images and best.pt naming the folds."""
+    if distributed.is_main() and not resume:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_path(run_dir / "config.yaml") as tmp:
+            tmp.write_text(dump(config))
+    folds = [run_dir / f"fold{k}" for k in range(config.data.n_folds)]
+    for k, fold in enumerate(folds):
+        if (fold / OOF_FILE).is_file():
+            log.info("fold %d of %d: done (%s)", k, len(folds), fold)
+            continue
+        try:
+            train_fold(config, fold, k, overrides)
+        except Interrupted as stopped:  # the whole run goes on from here, not the fold alone
+            raise Interrupted(f"fold {k}: {str(stopped).replace(f'--resume {fold}', f'--resume {run_dir}')}") from None
+    if not distributed.is_main():
+        return ""
+    result = tune(folds, run_dir / RULE_FILE)
+    log.info("the pooled rule, tuned on the %d folds' %d out-of-fold images:\n%s", len(folds), result["images"],
+             table(result))
+    save_checkpoint(run_dir / "best.pt", {FOLDS: [f"{fold.name}/best.pt" for fold in folds],
+                                          "config": config.model_dump(mode="json")})
+    return (f"run {run_dir}: {len(folds)} folds; CV Dice {result['cv_dice']['after']['mean']:.4f} under the rule tuned "
+            f"on all {result['images']} out-of-fold images ({run_dir / RULE_FILE}); predict with {run_dir / 'best.pt'} "
+            f"uses the {len(folds)} folds' ensemble")
+
+
+def train_fold(config: Config, fold: Path, k: int, overrides: list[str]) -> None:
+    """Fold `k` of an every-fold run into `fold`: resumed from its last.pt (with the resume's
+    `overrides`) where it has one, else from the start."""
+    if (fold / "last.pt").is_file():
+        log.info("fold %d of %d: resuming %s", k, config.data.n_folds, fold)
+        saved = load_checkpoint(fold / "last.pt")["config"]
+        train(resumed_config(saved, list(overrides), f"{fold}/last.pt"), fold, resume=True)
+        return
+    log.info("fold %d of %d: training into %s", k, config.data.n_folds, fold)
+    fold_config = config.model_copy(deep=True)
+    fold_config.data.fold, fold_config.train.every_fold = k, False
+    train(fold_config, fold)
