@@ -7,8 +7,10 @@ frequencies unlike `cloudseg synth`): generate a dataset, run exactly what a use
     cloudseg predict --checkpoint RUN/best.pt --out default.csv
 
 and score the submission against the test truth, beside three references: the all-empty
-submission, `predict --postprocess none` (the config's untuned rule), and an explicit
-`cloudseg tune RUN` + `predict --postprocess FILE`. On the noisy-label variants (`--variants
+submission, `predict --postprocess none` (the config's untuned rule), an explicit `cloudseg
+tune RUN` + `predict --postprocess FILE`, and the one-fold path: fold 0's model with its own rule,
+what `train.every_fold=false` trains (where the run trained one fold, the default itself; on small
+data the default trains every fold and predicts with their ensemble). On the noisy-label variants (`--variants
 noisy`) also the box oracle (the true regions' boxes against the crowd's labels: the most a
 model can hope for) and the share of the margin captured, (default − all-empty) / (box oracle
 − all-empty). Every variant's data, run directory, submissions and command logs stay under
@@ -54,7 +56,7 @@ from kaggle_like import BOX_ORACLE_CSV, VARIANTS, generate  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 MARKER = ".robustness"  # marks a variant folder this script wrote, which a rerun may replace
-COLUMNS = ("all-empty", "untuned", "default", "explicit tune")
+COLUMNS = ("all-empty", "untuned", "one fold", "default", "explicit tune")
 GROUPS = {"clean": [name for name, v in VARIANTS.items() if v.labellers is None],
           "noisy": [name for name, v in VARIANTS.items() if v.labellers is not None], "all": list(VARIANTS)}
 
@@ -118,7 +120,8 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
     if args.retune:
         if not (run / "best.pt").is_file():
             raise FileNotFoundError(f"{run}/best.pt: --retune needs the runs of an earlier study under --out")
-        cloudseg("tune", str(run), "--out", str(run / "postprocess.json"), log=log)
+        folds = sorted(run.glob("fold*/")) or [run]  # an every-fold run's rule is its folds' pooled one
+        cloudseg("tune", *map(str, folds), "--out", str(run / "postprocess.json"), log=log)
     else:
         fresh_folder(folder)
         generate(variant, data, args.n_train, args.n_test)
@@ -129,11 +132,15 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
     cloudseg("predict", "--checkpoint", best, "--out", str(folder / "default.csv"), *device, log=log)
     cloudseg("predict", "--checkpoint", best, "--out", str(folder / "untuned.csv"), "--postprocess", "none", *device,
              log=log)
-    cloudseg("tune", str(run), "--out", str(folder / "tuned.json"), log=log)
+    folds = sorted(run.glob("fold*/")) or [run]  # an every-fold run (train.every_fold), or one fold
+    cloudseg("tune", *map(str, folds), "--out", str(folder / "tuned.json"), log=log)
     cloudseg("predict", "--checkpoint", best, "--out", str(folder / "explicit.csv"),
              "--postprocess", str(folder / "tuned.json"), *device, log=log)
+    # the one-fold path: fold 0's model and its own rule, what train.every_fold=false would have trained
+    cloudseg("predict", "--checkpoint", str(folds[0] / "best.pt"), "--out", str(folder / "one_fold.csv"), *device,
+             log=log)
     submissions = dict(zip(COLUMNS, (write_all_empty(data, folder / "all_empty.csv"), folder / "untuned.csv",
-                                     folder / "default.csv", folder / "explicit.csv")))
+                                     folder / "one_fold.csv", folder / "default.csv", folder / "explicit.csv")))
     if (data / BOX_ORACLE_CSV).is_file():
         submissions["box oracle"] = data / BOX_ORACLE_CSV
     truth = data / TEST_SOLUTION_CSV
@@ -144,6 +151,7 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
         "test_label_shares": label_shares(read_label_csv(truth)),
         "scores": scores, "margin": scores["default"]["dice"] - scores["all-empty"]["dice"],
         "captured": captured(scores["default"]["dice"], scores),
+        "captured_one_fold": captured(scores["one fold"]["dice"], scores), "folds": len(folds),
         "rule": json.loads((run / "postprocess.json").read_text()),
         "train_seconds": train_seconds, "seconds": time.perf_counter() - started, "folder": str(folder),
     }
@@ -160,27 +168,30 @@ def captured(dice: float, scores: dict) -> float:
 
 def table(results: list[dict]) -> str:
     """The study's table: one row per variant (Dice of each submission, the box oracle where
-    there is one, the share captured), then mean and worst case (the smallest margin)."""
+    there is one, the share captured by the default and by the one-fold path), then mean and
+    worst case (the smallest margin)."""
     header = (f"{'variant':<24}{'size':>9}  {'labels % F/Fl/G/S':<18}" + "".join(f"{c:>14}" for c in COLUMNS)
-              + f"{'box oracle':>11}{'margin':>9}{'captured':>9}{'seconds':>9}")
+              + f"{'box oracle':>11}{'margin':>9}{'captured':>9}{'one fold':>9}{'seconds':>9}")
     figures = np.array([[r["scores"][c]["dice"] for c in COLUMNS]
                         + [r["scores"].get("box oracle", {"dice": np.nan})["dice"], r["margin"], r["captured"],
-                           r["seconds"]] for r in results])
+                           r["captured_one_fold"], r["seconds"]] for r in results])
     lines = [header]
     for r, row in zip(results, figures):
         labels = "/".join(f"{100 * f:.0f}" for f in r["frequencies"])
         lines.append(f"{r['variant']:<24}{r['size'][0]:>4}x{r['size'][1]:<4}  {labels:<18}" + figure_cells(row))
-    worst = figures[np.argmin(figures[:, -3])]  # the variant with the smallest margin over all-empty
+    worst = figures[np.argmin(figures[:, -4])]  # the variant with the smallest margin over all-empty
     for label, row in (("mean", figures.mean(axis=0)), ("worst case", worst)):
         lines.append(f"{label:<24}{'':>9}  {'':<18}" + figure_cells(row))
     return "\n".join(lines)
 
 
 def figure_cells(row) -> str:
-    """A table row's figures: the submissions' Dice, box oracle, margin, share captured, seconds."""
-    *dice, oracle, margin, share, seconds = row
+    """A table row's figures: the submissions' Dice, box oracle, margin, shares captured (the
+    default's, the one-fold path's), seconds."""
+    *dice, oracle, margin, share, share_one_fold, seconds = row
+    shares = "".join(f"{s:>8.0%} " if np.isfinite(s) else f"{'-':>9}" for s in (share, share_one_fold))
     return ("".join(f"{v:>14.4f}" for v in dice) + (f"{oracle:>11.4f}" if np.isfinite(oracle) else f"{'-':>11}")
-            + f"{margin:>+9.4f}" + (f"{share:>8.0%} " if np.isfinite(share) else f"{'-':>9}") + f"{seconds:>9.0f}")
+            + f"{margin:>+9.4f}" + shares + f"{seconds:>9.0f}")
 
 
 def per_class_table(results: list[dict]) -> str:

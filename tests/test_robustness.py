@@ -152,7 +152,7 @@ def test_script_prints_the_table_with_every_column(tmp_path):
          "--json", str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=900, check=True).stdout
     header = next(line for line in out.splitlines() if line.startswith("variant") and "margin" in line)
-    for column in ("size", "labels", "all-empty", "untuned", "default", "explicit tune", "margin", "seconds"):
+    for column in ("size", "labels", "all-empty", "untuned", "one fold", "default", "explicit tune", "margin", "seconds"):
         assert column in header
     assert any(line.startswith("blobs-union") and f"{SMALL[0]}x{SMALL[1]}" in line for line in out.splitlines())
     assert any(line.startswith("mean") for line in out.splitlines())
@@ -161,7 +161,9 @@ def test_script_prints_the_table_with_every_column(tmp_path):
     assert load_config(study / "run/config.yaml").train.device == "cpu"  # --device reaches every command
     commands = (study / "commands.log").read_text().splitlines()
     predicts = [line for line in commands if line.startswith("$ cloudseg predict")]
-    assert len(predicts) == 3 and all(line.endswith("--device cpu") for line in predicts)
+    assert len(predicts) == 4 and all(line.endswith("--device cpu") for line in predicts)
+    folds = [study / f"run/fold{k}" for k in range(5)]  # 12 images: every fold (train.every_fold: auto)
+    assert f"$ cloudseg predict --checkpoint {folds[0] / 'best.pt'} --out {study / 'one_fold.csv'} --device cpu" in commands
     result = json.loads((tmp_path / "r.json").read_text())["results"][0]
     truth = read_label_csv(tmp_path / "study/blobs-union/data/test_solution.csv")
     assert result["scores"]["all-empty"]["dice"] == pytest.approx(truth.eq("").to_numpy().mean())
@@ -174,8 +176,8 @@ def test_script_prints_the_table_with_every_column(tmp_path):
     assert any(line.startswith("blobs-union") for line in again.splitlines())
     commands = (study / "commands.log").read_text().splitlines()
     assert sum(line.startswith("$ cloudseg train") for line in commands) == 1
-    assert f"$ cloudseg tune {study / 'run'} --out {study / 'run/postprocess.json'}" in commands
-    assert sum(line.startswith("$ cloudseg predict") for line in commands) == 6
+    assert f"$ cloudseg tune {' '.join(map(str, folds))} --out {study / 'run/postprocess.json'}" in commands
+    assert sum(line.startswith("$ cloudseg predict") for line in commands) == 8
 
 
 def test_variant_groups_name_the_clean_and_the_noisy_variants():
