@@ -6,8 +6,8 @@ What a user could run instead of cloudseg (the alternatives, ALTERNATIVES):
      inputs channels_last, cuDNN's benchmark mode, fused AdamW, torch.compile(model), clipping
   b. PyTorch Lightning at its defaults: Trainer(accumulate_grad_batches=4), precision as cloudseg's auto
   c. Lightning set up carefully: bf16-mixed / 16-mixed, benchmark=True, model and inputs channels_last
-  c2. c, and fused AdamW, and the LightningModule under torch.compile before trainer.fit, as
-     Lightning's guide "Speed up models by compiling them" says
+  c2. c, and the LightningModule under torch.compile before trainer.fit, as Lightning's guide
+     "Speed up models by compiling them" says (not fused AdamW: Lightning refuses it with clipping)
 cloudseg:
   d. cloudseg's step, eager (train.compile=false)
   e. cloudseg's step, compiled (train.compile=true; what auto gives on CUDA)
@@ -101,6 +101,7 @@ ALTERNATIVES = ("a. ", "a2. ", "b. ", "c. ", "c2. ")
 CANDIDATES = {"cudnn_search": SpeedupsConfig(cudnn_search=True), "autotune=reductions": SpeedupsConfig(autotune="reductions"),
               "pad_stem": SpeedupsConfig(pad_stem=True), "autotune=all": SpeedupsConfig(autotune="all")}
 MIN_GAIN = 0.01  # a winner beats row e by more than twice the measured spread, and by at least this
+WARM_LIMIT_S = 360  # the warm compiles, all of them: what is still compiling then is left to its row
 
 
 def main() -> None:
@@ -315,7 +316,10 @@ def warm_compiles(config, args) -> None:
         pending = [(name, pool.apply_async(_warm, (kind, config, args, precision, options)))
                    for name, kind, precision, options in jobs]
         for name, result in pending:
-            seconds, error = result.get()
+            try:  # a worker that dies hard (the host's OOM killer) never reports: its row compiles itself
+                seconds, error = result.get(timeout=max(1.0, start + WARM_LIMIT_S - time.perf_counter()))
+            except multiprocessing.TimeoutError:
+                seconds, error = time.perf_counter() - start, f"no answer within {WARM_LIMIT_S} s"
             print(f"  warmed {name}: {human_duration(seconds)}" + (f", failed: {error}" if error else ""), flush=True)
     print(f"warmed in {human_duration(time.perf_counter() - start)}", flush=True)
 
@@ -426,15 +430,16 @@ def synthetic_batches(args, device) -> list[dict]:
 
 def timed(device, run):
     """(images/s, peak GiB, first window s or None) of `run`, which returns (images, seconds) of its
-    timed part, and a compiled row also the seconds of its first window (compiling included)."""
+    timed part, and a compiled row also the seconds of its first window (compiling included); None,
+    said, where it raised."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
         images, seconds, *first_window = run()
-    except ImportError as error:
-        print(f"  skipped: {error}")
+    except Exception as error:  # one row's failure (Lightning missing, an out-of-memory) leaves the others to run
+        print(f"  skipped: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}", flush=True)
         return None
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return images / seconds, peak, first_window[0] if first_window else None
@@ -534,9 +539,10 @@ def cloudseg(config, batches, args, device, precision, checkpointing, compile, s
 
 def lightning(config, batches, args, device, precision, careful, compile=False):
     """Lightning's own accumulation; `careful`: a user who also knows cuDNN's benchmark mode and
-    channels_last (model and inputs); `compile`: also fused AdamW and the LightningModule under
-    torch.compile before `trainer.fit`, as Lightning's guide "Speed up models by compiling them"
-    says (Lightning then compiles its *_step methods), with its first window's seconds."""
+    channels_last (model and inputs); `compile`: also the LightningModule under torch.compile
+    before `trainer.fit`, as Lightning's guide "Speed up models by compiling them" says (Lightning
+    then compiles its *_step methods), with its first window's seconds. Not fused AdamW: Lightning's
+    mixed precision refuses gradient clipping with a fused optimizer (pytorch_lightning 2.6)."""
     import pytorch_lightning as pl  # the dev extra has it (make install)
 
     class Module(pl.LightningModule):
@@ -551,7 +557,7 @@ def lightning(config, batches, args, device, precision, careful, compile=False):
             return per_image_loss(self.model(images), batch["mask"]).mean()
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=config.train.lr, fused=compile or None)
+            return torch.optim.AdamW(self.parameters(), lr=config.train.lr)  # fused: Lightning refuses it with clipping
 
     class Clock(pl.Callback):
         begin = start = first_window = None

@@ -86,10 +86,11 @@ def test_the_ratio_is_against_the_fastest_alternative_of_the_same_precision():
 
 
 def test_the_compiled_alternatives_compile_what_their_users_compile(monkeypatch):
-    """Rows c2 and a2 in this process at a toy size, with the tests' aot_eager backend. Would catch:
-    Lightning's row not compiling at all (a compiled LightningModule that trainer.fit unwraps and
-    runs eagerly would compile no graph), the plain loop not compiled, either without its first
-    window's seconds, or a step that does not train (a parameter left as it was)."""
+    """Rows c2 and a2 in this process at a toy size, in bf16 as on a GPU (Lightning's bf16-mixed
+    plugin on the CPU too), with the tests' aot_eager backend. Would catch: Lightning's row not
+    compiling at all (a compiled LightningModule that trainer.fit unwraps and runs eagerly would
+    compile no graph), an optimizer Lightning's mixed precision refuses (fused AdamW with clipping:
+    it raised on every GPU), the plain loop not compiled, or either without its first window's seconds."""
     from cloudseg import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
@@ -97,8 +98,8 @@ def test_the_compiled_alternatives_compile_what_their_users_compile(monkeypatch)
     args = train_speed.parse_args()
     config = load_config("configs/fullres.yaml", ["model.encoder_weights=null", "model.encoder=resnet18"])
     batches = train_speed.synthetic_batches(args, args.device)
-    for row in (lambda: train_speed.lightning(config, batches, args, args.device, "fp32", careful=True, compile=True),
-                lambda: train_speed.done_well(config, batches, args, args.device, "fp32")):
+    for row in (lambda: train_speed.lightning(config, batches, args, args.device, "bf16", careful=True, compile=True),
+                lambda: train_speed.done_well(config, batches, args, args.device, "bf16")):
         graphs = compiled.graph_counts()[0]
         images, seconds, first_window = row()
         assert compiled.graph_counts()[0] > graphs and images == 4 and seconds > 0 and first_window > 0
