@@ -159,15 +159,18 @@ def speed_switches(device: torch.device, deterministic: bool = False, cudnn_sear
 
 @contextlib.contextmanager
 def without_cudnn_search():
-    """Inside the block cuDNN's heuristics pick each convolution's algorithm, as with benchmark
-    mode off (PyTorch's default); after it, benchmark mode is as it was. For the memory probes:
-    a search times every algorithm of a shape, seconds a shape at full resolution."""
-    searching = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
+    """Inside the block cuDNN's heuristics pick each convolution's algorithm, among its
+    deterministic ones; after it, benchmark and deterministic modes are as they were. For the
+    memory probes: a search times every algorithm of a shape, seconds a shape at full resolution.
+    Deterministic too, because PyTorch keeps the algorithm it first ran for a shape, searched or
+    not, under a key that holds `deterministic` but not `benchmark`: heuristics' picks under
+    training's own key would be what training then runs, its search never made."""
+    searching, deterministic = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
     try:
         yield
     finally:
-        torch.backends.cudnn.benchmark = searching
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = searching, deterministic
 
 
 # Autograd nodes whose CUDA kernel PyTorch has no deterministic version of: under

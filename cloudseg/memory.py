@@ -20,6 +20,7 @@ nvJPEG's own buffers. `outside_allocator` adds an assumed figure for it to every
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -175,11 +176,12 @@ def peak_bytes(device: torch.device, run) -> int:
 def measured_peak(model: CloudNet, config: Config, micro_batch: int, image_size, device) -> float:
     """Peak CUDA bytes of a training step at `micro_batch`, plus the AdamW state a step adds.
 
-    One step, measured, with cuDNN's heuristics picking its algorithms: cuDNN's benchmark mode
-    would time every algorithm for each new shape (about 10 s a probe at full resolution on an
-    H100, 2026-11-26), shapes that training may never use (the probes of 2 and 1 after 4 did not
-    fit). Training's own search then takes workspaces only where they can be had: cuDNN skips an
-    algorithm whose workspace the allocator refuses, so that search never runs a step out of memory."""
+    One step, measured, with cuDNN's heuristics picking its algorithms (hardware.without_cudnn_search,
+    which keeps them apart from training's): cuDNN's benchmark mode would time every algorithm for
+    each new shape (about 10 s a probe at full resolution on an H100, 2026-11-26), shapes that
+    training may never use (the probes of 2 and 1 after 4 did not fit). Training's own search then
+    takes workspaces only where they can be had: cuDNN skips an algorithm whose workspace the
+    allocator refuses, so that search never runs a step out of memory."""
     dtype = autocast_dtype(config.train.precision, device)
     with without_cudnn_search():
         peak = peak_bytes(device, lambda: probe_step(model, micro_batch, image_size, device, dtype))
@@ -195,15 +197,27 @@ def probe_cache() -> Path | None:
 
 
 def probe_key(model: CloudNet, config: Config, micro_batch: int, image_size, device) -> str:
-    """What a probe's peak depends on: the GPU, PyTorch and cuDNN, the precision, the shape, and the
-    model as built (its modules, checkpointing's wrappers and the memory format of its weights)."""
+    """What a probe's peak depends on: the GPU, PyTorch, cuDNN and smp, the code of the step
+    (STEP_CODE), the precision and deterministic mode, the shape, and the model as built (its
+    modules, checkpointing's wrappers and the memory format of its weights)."""
     card = torch.cuda.get_device_properties(device)
     wrapped = [name for name, module in model.named_modules() if "forward" in vars(module)]
     channels_last = next(model.parameters()).dim() == 4 and next(model.parameters()).is_contiguous(
         memory_format=torch.channels_last)
-    built = hashlib.sha256(f"{model!r} {wrapped} {channels_last}".encode()).hexdigest()[:16]
-    return (f"{card.name} {card.total_memory} | torch {torch.__version__} cudnn {torch.backends.cudnn.version()} | "
-            f"{autocast_dtype(config.train.precision, device)} | {micro_batch}x{image_size[0]}x{image_size[1]} | {built}")
+    built = hashlib.sha256(f"{model!r} {wrapped} {channels_last} {step_code()}".encode()).hexdigest()[:16]
+    software = (f"torch {torch.__version__} cudnn {torch.backends.cudnn.version()} "
+                f"smp {importlib.metadata.version('segmentation-models-pytorch')}")
+    return (f"{card.name} {card.total_memory} | {software} | {autocast_dtype(config.train.precision, device)} "
+            f"deterministic {config.train.deterministic} | {micro_batch}x{image_size[0]}x{image_size[1]} | {built}")
+
+
+STEP_CODE = ("engine.py", "model.py", "loss.py", "memory.py")  # cloudseg's files whose change may move a peak
+
+
+def step_code() -> str:
+    """A digest of STEP_CODE's files: a remembered probe of other code is not this code's."""
+    folder = Path(__file__).parent
+    return hashlib.sha256(b"".join((folder / name).read_bytes() for name in STEP_CODE)).hexdigest()[:16]
 
 
 def probed_peak(model: CloudNet, config: Config, micro_batch: int, image_size, device, remember: Path | None) -> float:

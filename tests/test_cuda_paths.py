@@ -89,8 +89,10 @@ def test_peak_bytes_reads_the_allocator_after_the_run_has_finished(fake_cuda):
 def test_measured_peak_measures_one_real_backward_without_cudnn_s_search_and_leaves_the_model_as_it_was(
         tiny_model, monkeypatch):
     """Issue #60: a probe runs with cuDNN's benchmark mode off (it timed every algorithm of every
-    probed shape, about 10 s a probe at full resolution), and training's mode is back after it.
-    Would catch: a planted `benchmark = True` in the probe (or the search left on), the mode not
+    probed shape, about 10 s a probe at full resolution) and its deterministic mode on (so that
+    the heuristics' picks are cached under another key than training's), and training's modes are
+    back after it. Would catch: a planted `benchmark = True` in the probe (or the search left on),
+    the heuristics' picks cached under training's key (deterministic left off), the modes not
     restored for training, a warm-up step before the measured one (a second step, the search's
     old reason), no backward in the measured run, forgetting AdamW's two states, and a probe that
     trains (gradients or BatchNorm statistics left behind)."""
@@ -101,15 +103,17 @@ def test_measured_peak_measures_one_real_backward_without_cudnn_s_search_and_lea
 
     def peak_bytes(device, run):
         assert device == CPU and not backwards  # no step before the measured one
-        searching.append(torch.backends.cudnn.benchmark)
+        searching.append((torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic))
         run()
         assert len(backwards) == 1
         return 3 * GiB
 
     monkeypatch.setattr(memory, "peak_bytes", peak_bytes)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # as speed_switches leaves it for training
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
     assert memory.measured_peak(model, config, 2, (64, 96), CPU) == 3 * GiB + 2 * memory.parameter_bytes(model)
-    assert searching == [False] and torch.backends.cudnn.benchmark is True
+    assert searching == [(False, True)]
+    assert torch.backends.cudnn.benchmark is True and torch.backends.cudnn.deterministic is False
     assert all(p.grad is None for p in model.parameters())
     for name, value in norm_statistics(model).items():
         assert torch.equal(value, statistics[name]), name
@@ -117,8 +121,8 @@ def test_measured_peak_measures_one_real_backward_without_cudnn_s_search_and_lea
 
 def test_a_probe_is_remembered_for_the_same_gpu_shape_precision_and_model(tiny_model, fake_cuda, monkeypatch, tmp_path):
     """Issue #60: `cloudseg train` probes again only what it never probed on this GPU. Would catch:
-    a remembered peak taken for another micro-batch, precision, image size, checkpointing mode or
-    GPU (each is a new probe here), a probe run though it is remembered, an out-of-memory probe
+    a remembered peak taken for another micro-batch, precision, deterministic mode, image size,
+    checkpointing mode, GPU or code of the step (each is a new probe here), a probe run though it is remembered, an out-of-memory probe
     remembered (what fits depends on the cap), a damaged file that stops the run, and a probe kept
     when the user set no file (None)."""
     model, config = tiny_model
@@ -146,18 +150,24 @@ def test_a_probe_is_remembered_for_the_same_gpu_shape_precision_and_model(tiny_m
     assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 5 * GiB  # another mode
     set_checkpointing(model, "none")
     assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 1 * GiB and len(measured) == 5
+    exact = bf16.model_copy(deep=True)
+    exact.train.deterministic = True
+    assert memory.probed_peak(model, exact, 4, (64, 96), GPU0, cache) == 6 * GiB  # other algorithms
+    with monkeypatch.context() as patch:
+        patch.setattr(memory, "step_code", lambda: "the step's code changed")
+        assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 7 * GiB
     with pytest.raises(torch.cuda.OutOfMemoryError):
         memory.probed_peak(model, bf16, 8, (64, 96), GPU0, cache)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         memory.probed_peak(model, bf16, 8, (64, 96), GPU0, cache)
-    assert len(json.loads(cache.read_text())) == 5
+    assert len(json.loads(cache.read_text())) == 7
     cuda.cards[0] = Card("NVIDIA A100-SXM4-40GB", (8, 0), 40 * GiB)
-    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 8 * GiB  # another GPU
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 10 * GiB  # another GPU
     cache.write_text("{not json")
-    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 9 * GiB
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, cache) == 11 * GiB
     assert len(json.loads(cache.read_text())) == 1
-    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, None) == 10 * GiB
-    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, None) == 11 * GiB
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, None) == 12 * GiB
+    assert memory.probed_peak(model, bf16, 4, (64, 96), GPU0, None) == 13 * GiB
 
 
 def test_the_probe_file_is_the_one_the_user_names_or_none(monkeypatch, tmp_path):
