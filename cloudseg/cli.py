@@ -360,7 +360,8 @@ def run_train(args) -> int | None:
         if not args.out and distributed.world_size() > 1:  # each process would pick its own timestamp
             raise ValueError("train on several processes needs --out RUN_DIR")
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / "last.pt").exists() or is_every_fold_run(run_dir):
+        started = [run_dir / "last.pt", *run_dir.glob("fold*/last.pt")]  # a run, or an every-fold run's fold
+        if distributed.is_main() and any(path.exists() for path in started):  # rank 0's own config.yaml comes next
             raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,14 @@ def train_run(config: Config, run_dir: str | Path, resume: bool = False, overrid
     """`cloudseg train`: one fold (train.train) or every fold (`train_every_fold`), as
     `every_fold` decides, said loudly; returns the line that sums the run up."""
     run_dir = Path(run_dir)
+    try:
+        return trained(config, run_dir, resume, overrides)
+    finally:  # every run of the command done: under torchrun, the process group they shared ends
+        distributed.stop()
+
+
+def trained(config: Config, run_dir: Path, resume: bool, overrides: list[str]) -> str:
+    """The run `train_run` trains, and its summary line."""
     if resume and is_every_fold_run(run_dir):
         return train_every_fold(config, run_dir, resume=True, overrides=overrides)
     chosen, why = (False, "a resumed run of one fold") if resume else every_fold(config)
@@ -96,7 +104,7 @@ def train_run(config: Config, run_dir: str | Path, resume: bool = False, overrid
 def train_every_fold(config: Config, run_dir: Path, resume: bool = False, overrides: list[str] = ()) -> str:
     """Every fold of `config` into run_dir/foldK (done folds skipped, a stopped one resumed with
     `overrides`), then one rule tuned on all their out-of-fold images and best.pt naming the folds."""
-    if distributed.is_main() and not resume:
+    if distributed.is_main():  # a resume's too: its overrides train the folds still to come
         run_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(run_dir / "config.yaml") as tmp:
             tmp.write_text(dump(config))

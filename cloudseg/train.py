@@ -118,7 +118,9 @@ class Run:
 
 
 def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataFrame:
-    """Train `config` into `run_dir` (or continue it from last.pt); returns metrics per epoch."""
+    """Train `config` into `run_dir` (or continue it from last.pt); returns metrics per epoch.
+    Under torchrun the process group stays up for the caller's next run (the next fold of an
+    every-fold run): the command ends it (every_fold.train_run)."""
     run, start_epoch, progress = start(config, Path(run_dir), resume)
     with stop_requests() as stop_requested:
         for epoch in range(start_epoch, config.train.epochs):
@@ -141,7 +143,6 @@ def train(config: Config, run_dir: str | Path, resume: bool = False) -> pd.DataF
             if config.train.swa:
                 average_into_best(run)
             write_best_oof(run, stop_requested)
-    distributed.stop()
     return pd.DataFrame(run.history)
 
 
@@ -293,7 +294,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
         progress.windows += 1
         if images:  # else every sample was unreadable (skip mode): nothing to learn from
             result, run.micro_batch = resilient_step(run.step, window, run.micro_batch, images, blank)
-            first_step_taken(run)
+            first_step_taken(run, result)
             progress.images += images
             in_a_row = count_skip(result, in_a_row, progress, desc, config.train.max_skipped_windows)
             if not result.skipped:
@@ -310,10 +311,10 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
     return False
 
 
-def first_step_taken(run: Run) -> None:
-    """After a window has stepped (its loss read: the GPU is done with it): the first time, log
-    how long the run took to get there, by stage (startclock.py)."""
-    if run.start_clock is not None:
+def first_step_taken(run: Run, result: StepResult) -> None:
+    """After a window (its loss read: the GPU is done with it) whose `result` is a step: the first
+    time, log how long the run took to get there, by stage (startclock.py)."""
+    if run.start_clock is not None and not result.skipped:
         run.start_clock.mark("first window (loading + compile + step)")  # compile: where train.compile compiles
         log.info(run.start_clock.line())
         run.start_clock = None

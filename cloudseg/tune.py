@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cloudseg.checkpoint import fold_checkpoints
 from cloudseg.config import load_config
 from cloudseg.oof import OOF_FILE, read_oof
 from cloudseg.metrics import dice
@@ -38,15 +39,22 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     The runs' own rule (predict.* in the first run's config.yaml) is part of the grid, so it is
     scored exactly and wins where it is best; see `RuleSearch` for the guard against a small fold.
     """
-    ids, probs, truth, classes = pool([Path(r) for r in run_dirs])
+    ids, probs, truth, classes = pool([fold for r in run_dirs for fold in folds_of(Path(r))])
     current = load_config(Path(run_dirs[0]) / "config.yaml").predict
     started = time.perf_counter()
     result = search_rule(probs, truth, current, classes8=classes)
-    result.update(runs=[str(r) for r in run_dirs], seconds=time.perf_counter() - started)
+    result.update(runs=[str(fold) for r in run_dirs for fold in folds_of(Path(r))], seconds=time.perf_counter() - started)
     out = Path(out) if out else default_rule_file(run_dirs)
     write_rule_file(result, out)
     result["path"] = str(out)
     return result
+
+
+def folds_of(run_dir: Path) -> list[Path]:
+    """The runs whose out-of-fold files `run_dir` stands for: an every-fold run's folds (those its
+    best.pt names), else itself."""
+    folds = fold_checkpoints(run_dir / "best.pt")
+    return [fold.parent for fold in folds] if folds else [run_dir]
 
 
 def default_rule_file(run_dirs: list[str | Path]) -> Path:

@@ -54,7 +54,8 @@ def test_auto_trains_every_fold_up_to_the_small_dataset_size_and_says_why(data, 
 def test_a_small_dataset_trains_every_fold_and_tunes_one_rule_on_every_image(data, tmp_path, caplog, capsys):
     """Would catch: one fold trained (the old default), a fold trained twice or validated on the
     wrong fold, the rule tuned on one fold's 8 images rather than all 24, best.pt that does not name
-    every fold, and a run that does not say loudly which path it took."""
+    every fold, a run that does not say loudly which path it took, and `cloudseg tune RUN` failing
+    on such a run (it has no oof.npz of its own: its folds have)."""
     caplog.set_level(logging.INFO, logger="cloudseg")
     run = tmp_path / "run"
     assert train_cli(run, data) == 0
@@ -70,6 +71,8 @@ def test_a_small_dataset_trains_every_fold_and_tunes_one_rule_on_every_image(dat
     assert fold_checkpoints(run / "best.pt") == [fold / "best.pt" for fold in folds]
     assert is_every_fold_run(run) and load_config(run / "config.yaml").train.every_fold is True
     assert "3 folds; CV Dice" in capsys.readouterr().out
+    assert main(["tune", str(run), "--out", str(tmp_path / "again.json")]) == 0  # the run stands for its folds
+    assert json.loads((tmp_path / "again.json").read_text())["threshold"] == rule["threshold"]
 
 
 def test_predict_uses_every_fold_and_the_pooled_rule_and_names_a_missing_fold(data, tmp_path, caplog):
