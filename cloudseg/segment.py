@@ -750,7 +750,7 @@ def segment(sources: list[str], checkpoints: list[str], out_dir: str | Path, opt
         start = time.perf_counter()
         ensemble = load_ensemble(checkpoints, postprocess_file, overrides, str(process_device(device)),
                                  work_pixels=pixels_to_map(scenes, out_dir, options))
-        log.info("segment: %d checkpoint(s) loaded on %s in %s", len(checkpoints), ensemble.device,
+        log.info("segment: %d model(s) loaded on %s in %s", len(ensemble.forwards), ensemble.device,
                  human_duration(time.perf_counter() - start))
         options = replace(options, tile=window_size(ensemble, options.tile, checkpoints[0]))
         return segment_scenes(scenes, ensemble, out_dir, replace(options, made_with=maps_made_with(ensemble, options)),

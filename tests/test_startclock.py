@@ -4,7 +4,6 @@ process's age from /proc. tests/test_train.py reads the line a real training run
 import subprocess
 import sys
 
-
 from cloudseg.startclock import StartClock, seconds_since_process_start
 
 
