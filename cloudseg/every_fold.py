@@ -39,9 +39,10 @@ from cloudseg.tune import table, tune
 log = logging.getLogger("cloudseg")
 
 # train.every_fold: auto trains every fold up to this many training images (all folds together).
-# Measured (docs/cross-validation.md): every fold took noisy 64- and 160-image datasets from ~60% of
-# the margin to a ceiling to over 70%; at 800 images one fold's 160 out-of-fold images came close to it.
-# 400 keeps k=5 trainings within one fold's cost on 2,000 images, well under a Kaggle-size run's.
+# Measured on unseen noisy datasets (docs/cross-validation.md, 2026-12-04): every fold captured 75% of
+# the margin to a ceiling against one fold's 64% at 160 images, 65% against 59% at 64; at 800 images
+# one fold's 160 out-of-fold images came close to it (the measurement). At 400 the k=5
+# trainings cost one fold's on 2,000 images, half a Kaggle-size run's one fold.
 SMALL_DATASET = 400
 LOUD = "#" * 100
 
