@@ -114,7 +114,8 @@ def test_a_resumed_run_finishes_the_fold_it_was_in_then_the_rest_only(data, tmp_
     fold 0 as it was and trains fold 2. Would catch: a resume that starts again from fold 0 (its
     files rewritten), fold 1 started over (its epoch's first window trained twice: the saved
     progress says 2 windows done), a stop that tells the user to resume the fold rather than the run,
-    and the run's best.pt and pooled rule missing at the end."""
+    a resume's override lost for the folds after it (RUN/config.yaml not rewritten), and the run's
+    best.pt and pooled rule missing at the end."""
     built = []
 
     def stop_in_fold_1(model):
@@ -130,7 +131,9 @@ def test_a_resumed_run_finishes_the_fold_it_was_in_then_the_rest_only(data, tmp_
     assert load_checkpoint(run / "fold1/last.pt")["progress"]["windows"] == 2 and not (run / "fold2").exists()
     wrap_built_models(None)
     caplog.set_level(logging.INFO, logger="cloudseg")
-    assert main(["train", "--resume", str(run)]) == 0
+    assert main(["train", "--resume", str(run), "data.num_workers=1"]) == 0
+    assert load_config(run / "config.yaml").data.num_workers == 1  # the resume's override, kept for the next resume
+    assert load_config(run / "fold2/config.yaml").data.num_workers == 1  # and trained with
     assert "fold 0 of 3: done" in caplog.text and "fold 1 of 3: resuming" in caplog.text
     assert "fold 2 of 3: training into" in caplog.text
     assert {path.name: path.stat().st_mtime_ns for path in (run / "fold0").iterdir()} == fold0
