@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from cloudseg.files import published_name
+from cloudseg.files import cache_folder, published_name
 from cloudseg.task import IMAGE_SHAPE, LABELS, TRAIN_CSV
 
 # What the machine refuses (a path of the wrong kind, a read-only folder, a full disk: OSError) is
@@ -85,7 +85,7 @@ def keep_compiled_graphs() -> None:
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         return
     try:
-        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cloudseg" / "inductor"
+        folder = cache_folder() / "inductor"
         folder.mkdir(parents=True, exist_ok=True)
     except (OSError, RuntimeError):  # no home folder, or a read-only one: torch's default stays
         return
@@ -350,8 +350,11 @@ def run_train(args) -> int | None:
             raise ValueError(f"--resume {args.resume} continues that run with its own config, in its own folder: "
                              "leave out -c and --out (key=value overrides still apply)")
         run_dir = Path(args.resume)
-        saved = run_dir / ("config.yaml" if is_every_fold_run(run_dir) else "last.pt")
-        raw = load_config(saved).model_dump(mode="json") if saved.suffix == ".yaml" else load_checkpoint(saved)["config"]
+        if is_every_fold_run(run_dir):  # its folds' checkpoints are its own; the run's config is config.yaml
+            saved, raw = run_dir / "config.yaml", load_config(run_dir / "config.yaml").model_dump(mode="json")
+        else:
+            saved = run_dir / "last.pt"
+            raw = load_checkpoint(saved)["config"]
         config = resumed_config(raw, args.overrides, source=str(saved))
     else:
         if not args.config:

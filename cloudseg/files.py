@@ -15,6 +15,13 @@ from pathlib import Path
 NO_DIRECTORY_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
+def cache_folder() -> Path:
+    """cloudseg's per-user cache folder, which outlives a reboot and a job's private /tmp:
+    $XDG_CACHE_HOME/cloudseg, else ~/.cache/cloudseg (inductor's compiled graphs, remembered memory
+    probes). Path.home() raises RuntimeError where there is no home folder."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cloudseg"
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
     """Yield a temporary path beside `path` for the caller to write; on success rename it over

@@ -38,7 +38,7 @@ from cloudseg.config import Config, apply_overrides, from_dict
 from cloudseg.data import padded_shape
 from cloudseg.decode import resolve_decode
 from cloudseg.engine import StepContext, accumulate, resilient_step
-from cloudseg.files import atomic_path
+from cloudseg.files import atomic_path, cache_folder
 from cloudseg.hardware import autocast_dtype, needs_grad_scaler, resolve_precision, without_cudnn_search
 from cloudseg.model import (CHECKPOINTING_MODES, CloudNet, build_model, norm_statistics, prepare_for_training,
                             restore_norm_statistics, set_checkpointing)
@@ -193,7 +193,7 @@ def probe_cache() -> Path | None:
     named = os.environ.get(PROBE_CACHE)
     if named is not None:
         return Path(named) if named else None
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cloudseg" / "probes.json"
+    return cache_folder() / "probes.json"
 
 
 def probe_key(model: CloudNet, config: Config, micro_batch: int, image_size, device) -> str:
