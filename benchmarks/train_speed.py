@@ -166,8 +166,8 @@ class Rows(dict):
         super().__setitem__(name, result)
         if result:
             print(f"  measured {name}: {result[0]:.2f} images/s, peak {result[1]:.2f} GiB", flush=True)
-        self.figures.put(rows=dict(self), against_fastest={p: against_fastest(self, p) for p in PRECISIONS
-                                                           if against_fastest(self, p)})
+        ratios = {p: against_fastest(self, p) for p in PRECISIONS}
+        self.figures.put(rows=dict(self), against_fastest={p: ratio for p, ratio in ratios.items() if ratio})
 
 
 def training_rows(config, batches, args, device, figures) -> dict:
@@ -340,7 +340,7 @@ def _warm(kind, config, args, precision, options) -> tuple[float, str | None]:
     try:
         runs[kind]()
     except Exception as error:  # an out-of-memory beside the other jobs, say: the row compiles it itself
-        return time.perf_counter() - start, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return time.perf_counter() - start, said(error)
     return time.perf_counter() - start, None
 
 
@@ -439,10 +439,15 @@ def timed(device, run):
     try:
         images, seconds, *first_window = run()
     except Exception as error:  # one row's failure (Lightning missing, an out-of-memory) leaves the others to run
-        print(f"  skipped: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}", flush=True)
+        print(f"  skipped: {said(error)}", flush=True)
         return None
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return images / seconds, peak, first_window[0] if first_window else None
+
+
+def said(error: Exception) -> str:
+    """An error in one line: its class and its message's first line."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def synchronize(device):

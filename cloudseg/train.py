@@ -45,8 +45,8 @@ from cloudseg.model import (CloudNet, build_model, load_weights, pad_stem, prepa
                             train_mode, unwrapped)
 from cloudseg.oof import OOF_FILE, predict_oof, write_oof
 from cloudseg.postprocess import RULE_FILE, TOP_K, apply_rule, quantize, write_rule_file
-from cloudseg.startclock import StartClock
 from cloudseg.predict import batch_probabilities
+from cloudseg.startclock import StartClock
 from cloudseg.stopping import Interrupted, StopRequested, stop_requests, until_stopped
 from cloudseg.swa import average_checkpoints, chosen_epochs, epoch_path, recompute_norm_statistics
 from cloudseg.syncs import named_sync
