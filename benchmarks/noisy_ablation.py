@@ -79,8 +79,8 @@ def train_all(args) -> None:
                 shutil.rmtree(run)
             started = time.perf_counter()
             cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}",
-                     f"train.epochs={args.epochs}", "train.device=cpu", "train.every_fold=false", *overrides, *TRACKED,
-                     log=folder / f"{head}.log")
+                     f"train.epochs={args.epochs}", "train.device=cpu", "train.every_fold=false", "train.min_steps=0",
+                     *overrides, *TRACKED, log=folder / f"{head}.log")
             print(f"  {folder.name} {head}: {time.perf_counter() - started:.0f} s", flush=True)
 
 

@@ -54,7 +54,8 @@ def run_option(name: str, data: Path, root: Path, epochs: int, device: str) -> d
     """Train one option on `device`, predict the test images with its own rule, score; return the figures."""
     run, log = root / name, root / f"{name}.log"
     cloudseg("train", "-c", str(DEMO_CONFIG), "--out", str(run), f"data.dir={data}", f"train.epochs={epochs}",
-             f"train.device={device}", "train.every_fold=false", *OPTIONS[name], log=log)  # one fold per option
+             f"train.device={device}", "train.every_fold=false", "train.min_steps=0", *OPTIONS[name],
+             log=log)  # one fold per option, --epochs exactly
     cloudseg("predict", "--checkpoint", str(run / "best.pt"), "--out", str(root / f"{name}.csv"), "--device", device,
              log=log)
     metrics = pd.read_csv(run / "metrics.csv")

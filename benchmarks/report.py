@@ -90,11 +90,11 @@ FULL = Sizes(training=["--steps", "4", "--warmup", "2"],
                       "--repeat", "1", "--config", "configs/fullres.yaml"],
              synth=["--n-train", "160", "--n-test", "32"],  # Kaggle's 1400x2100: synth's default size
              train=["configs/fullres.yaml", "model.encoder_weights=null", "train.epochs=2", "data.num_workers=8",
-                    "train.every_fold=false"],  # 160 images would train every fold
+                    "train.every_fold=false", "train.min_steps=0"],  # 160 images would train every fold, and 25 epochs
              memory=["-c", "configs/fullres.yaml", "model.encoder_weights=null"], caps=CAPS_GB,
              start_synth=["--n-train", "20", "--n-test", "1"],  # 16 in fold 0's training folds: one window
              start_train=["configs/fullres.yaml", "model.encoder_weights=null", "train.epochs=1", "data.num_workers=8",
-                          "train.every_fold=false"])
+                          "train.every_fold=false", "train.min_steps=0"])
 TINY = Sizes(training=["--height", "64", "--width", "96", "--encoder", "resnet18", "--micro-batch", "2",
                        "--effective-batch", "4", "--steps", "1", "--warmup", "1", "--loader-size", "64", "96",
                        "--loader-images", "2"],
@@ -102,11 +102,13 @@ TINY = Sizes(training=["--height", "64", "--width", "96", "--encoder", "resnet18
                       "--no-fixed-cost"],
              synth=["--n-train", "12", "--n-test", "4", "--height", "64", "--width", "96"],
              train=["configs/demo.yaml", "train.epochs=2", "data.num_workers=0", "data.n_folds=3",
-                    "model.decoder_channels=[32,32]", "model.cls_head=false", "train.every_fold=false"],
+                    "model.decoder_channels=[32,32]", "model.cls_head=false", "train.every_fold=false",
+                    "train.min_steps=0"],
              memory=["-c", "configs/demo.yaml", "data.image_size=[64,96]"], caps=(),  # a cap needs CUDA
              start_synth=["--n-train", "12", "--n-test", "1", "--height", "64", "--width", "96"],
              start_train=["configs/demo.yaml", "train.epochs=1", "data.num_workers=0", "data.n_folds=3",
-                          "model.decoder_channels=[32,32]", "model.cls_head=false", "train.every_fold=false"])
+                          "model.decoder_channels=[32,32]", "model.cls_head=false", "train.every_fold=false",
+                          "train.min_steps=0"])
 
 
 @dataclass

@@ -133,6 +133,11 @@ class SpeedupsConfig(Section):
 
 class TrainConfig(Section):
     epochs: int = Field(15, ge=1, description="passes over the training folds")
+    min_steps: int = Field(
+        200, ge=0, description="at least this many optimizer steps: where train.epochs passes over few images "
+        "make fewer, the run trains more epochs (said in the log, written in its config.yaml); 0 = exactly "
+        "train.epochs (docs/cross-validation.md)"
+    )
     micro_batch: int | Literal["auto"] = Field(
         4, description="images per forward/backward pass; auto = the largest that fits the GPU (probed)"
     )

@@ -156,6 +156,7 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     train_set, valid_set = datasets(config, device)
     clock.mark("data index")
     config.data.image_size = train_set.image_size  # resolved, so inference needs no image
+    config.train.epochs = epochs_for(config.train, len(train_set))  # resolved too: a resume trains as many
     require_usable_device(config.train.device, device, train_set.image_size, len(train_set))
     # before the probes, so that they measure the same algorithms
     speed_switches(device, config.train.deterministic, config.train.speedups.cudnn_search)
@@ -590,6 +591,21 @@ def report_skipped(problems: list[Problem], epoch: int | None, run_dir: Path, wh
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def epochs_for(train_config, images: int) -> int:
+    """train.epochs, or more where its passes over `images` would make fewer than train.min_steps
+    optimizer steps (said in one log line): on a small dataset the demo's 8 epochs were 104 steps,
+    and 16 (208 steps) scored +0.04 to +0.06 higher on unseen noisy 64-image datasets."""
+    per_epoch = math.ceil(images / train_config.effective_batch)
+    needed = math.ceil(train_config.min_steps / per_epoch)
+    if needed <= train_config.epochs:
+        return train_config.epochs
+    log.info("train.min_steps=%d: %d training images make %d optimizer step(s) an epoch, so train.epochs=%d would "
+             "be %d steps; training %d epochs (%d steps; train.min_steps=0 keeps train.epochs)",
+             train_config.min_steps, images, per_epoch, train_config.epochs, train_config.epochs * per_epoch,
+             needed, needed * per_epoch)
+    return needed
 
 
 def datasets(config: Config, device: torch.device) -> tuple[CloudDataset, CloudDataset]:

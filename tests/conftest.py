@@ -50,6 +50,7 @@ TINY = [
     "train.compile=false",  # on a CUDA machine auto would compile every test's run; tests/test_compile.py asks for it
     "model.cls_head=false",  # the tests of the head (test_head.py, the DDP test) ask for it
     "train.every_fold=false",  # 24 images would train every fold (auto); tests/test_every_fold.py asks for it
+    "train.min_steps=0",  # train.epochs as given: 16 images would train 50 epochs (tests/test_min_steps.py asks for it)
 ]
 
 

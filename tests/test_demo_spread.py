@@ -50,7 +50,7 @@ def test_script_runs_each_seed_on_the_folds_make_train_uses(tmp_path):
     printed = subprocess.run(
         [sys.executable, "benchmarks/demo_spread.py", "--seeds", "5,6", "--threads", "1", "--out", str(out),
          "--synth-args", "--n-train 20 --n-test 4 --height 64 --width 96", "--json", str(tmp_path / "s.json"),
-         "--set", "train.epochs=1", "--set", "data.num_workers=0", "--device", "cpu"],
+         "--set", "train.epochs=1", "--set", "train.min_steps=0", "--set", "data.num_workers=0", "--device", "cpu"],
         capture_output=True, text=True, timeout=600, check=True).stdout
     assert any(line.startswith("spread") for line in printed.splitlines())
     results = json.loads((tmp_path / "s.json").read_text())["results"]

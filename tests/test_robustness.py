@@ -148,7 +148,8 @@ def test_script_prints_the_table_with_every_column(tmp_path):
     (image, label) pairs in the test truth."""
     out = subprocess.run(
         [sys.executable, "benchmarks/robustness.py", "--variants", "blobs-union", "--n-train", "12", "--n-test", "4",
-         "--epochs", "1", "--size", *map(str, SMALL), "--device", "cpu", "--out", str(tmp_path / "study"),
+         "--epochs", "1", "--set", "train.min_steps=0", "--size", *map(str, SMALL), "--device", "cpu",
+         "--out", str(tmp_path / "study"),
          "--json", str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=900, check=True).stdout
     header = next(line for line in out.splitlines() if line.startswith("variant") and "margin" in line)

@@ -10,7 +10,7 @@ from cloudseg.synth import synthesize
 from cloudseg.task import FOLDS_CSV
 
 SMALL_MODEL = ["model.arch=unet", "model.decoder_channels=[16,8,8,8,8]", "train.micro_batch=2",
-               "train.effective_batch=4", "train.warmup_steps=1"]
+               "train.effective_batch=4", "train.warmup_steps=1", "train.min_steps=0"]
 
 
 @pytest.mark.parametrize("n_images", [12, 24])
