@@ -18,6 +18,9 @@ model can hope for) and the share of the margin captured, (default − all-empty
 run's rule is tuned again by today's code (`cloudseg tune RUN --out RUN/postprocess.json`, what
 training's last step writes) and the submissions made again, without training.
 
+`--epochs` sets train.epochs; train.min_steps (200 by default) still raises it on small data, as
+it does for a user (64 images: 16 epochs); `--set train.min_steps=0` trains exactly --epochs.
+
 Two studies side by side on one machine: give each `OMP_NUM_THREADS` = cores / 2 (on 2 cores, two
 trainings of 2 threads each ran 10× slower than two of 1 thread, 2026-11-25).
 

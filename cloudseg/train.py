@@ -595,8 +595,8 @@ def report_skipped(problems: list[Problem], epoch: int | None, run_dir: Path, wh
 
 def epochs_for(train_config, images: int) -> int:
     """train.epochs, or more where its passes over `images` would make fewer than train.min_steps
-    optimizer steps (said in one log line): on a small dataset the demo's 8 epochs were 104 steps,
-    and 16 (208 steps) scored +0.04 to +0.06 higher on unseen noisy 64-image datasets."""
+    optimizer steps (said in one log line). 64 images in the demo config's 8 epochs were 104 steps,
+    and its models had learned nothing by the 4th (docs/cross-validation.md, enough steps)."""
     per_epoch = math.ceil(images / train_config.effective_batch)
     needed = math.ceil(train_config.min_steps / per_epoch)
     if needed <= train_config.epochs:
