@@ -163,8 +163,8 @@ def start(config: Config, run_dir: Path, resume: bool) -> tuple[Run, int, Progre
     model = training_model(config, train_set.image_size, device, pretrained=not resume, clock=clock)  # resumed: last.pt's weights
     dtype = autocast_dtype(config.train.precision, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
-    steps_per_epoch = math.ceil(len(train_set) / config.train.effective_batch)
-    scheduler = lr_schedule(optimizer, config.train, config.train.epochs * steps_per_epoch)
+    steps = config.train.epochs * steps_per_epoch(config.train, len(train_set))
+    scheduler = lr_schedule(optimizer, config.train, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=needs_grad_scaler(dtype))
     start_epoch, history, progress, saved = 0, [], None, None
     if resume:
@@ -597,7 +597,7 @@ def epochs_for(train_config, images: int) -> int:
     """train.epochs, or more where its passes over `images` would make fewer than train.min_steps
     optimizer steps (said in one log line). 64 images in the demo config's 8 epochs were 104 steps,
     and its models had learned nothing by the 4th (docs/cross-validation.md, enough steps)."""
-    per_epoch = math.ceil(images / train_config.effective_batch)
+    per_epoch = steps_per_epoch(train_config, images)
     needed = math.ceil(train_config.min_steps / per_epoch)
     if needed <= train_config.epochs:
         return train_config.epochs
@@ -606,6 +606,11 @@ def epochs_for(train_config, images: int) -> int:
              train_config.min_steps, images, per_epoch, train_config.epochs, train_config.epochs * per_epoch,
              needed, needed * per_epoch)
     return needed
+
+
+def steps_per_epoch(train_config, images: int) -> int:
+    """Optimizer steps in an epoch over `images`: the last window may hold fewer images."""
+    return math.ceil(images / train_config.effective_batch)
 
 
 def datasets(config: Config, device: torch.device) -> tuple[CloudDataset, CloudDataset]:
