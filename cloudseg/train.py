@@ -284,7 +284,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress, stop_requested) -> boo
     run.sampler.set_epoch(epoch, start=progress.windows * config.train.effective_batch)
     train_mode(run.step.model, config.model.norm)
     desc = f"epoch {epoch + 1}/{config.train.epochs}"
-    count = math.ceil((len(run.train_loader.dataset) - run.sampler.start) / config.train.effective_batch)
+    count = steps_per_epoch(config.train, len(run.train_loader.dataset) - run.sampler.start)  # the steps left
     blank = blank_batch(config.data.image_size) if world > 1 else None
     started, in_a_row = time.perf_counter(), 0
     bar = tqdm(windows(run.train_loader, config.train.accumulation_for(world), count), desc=desc, unit="step",
@@ -609,7 +609,7 @@ def epochs_for(train_config, images: int) -> int:
 
 
 def steps_per_epoch(train_config, images: int) -> int:
-    """Optimizer steps in an epoch over `images`: the last window may hold fewer images."""
+    """Optimizer steps (windows) in an epoch over `images`: the last window may hold fewer images."""
     return math.ceil(images / train_config.effective_batch)
 
 
