@@ -277,6 +277,10 @@ class PredictConfig(Section):
     tta: Literal["none", "hflip", "hvflip", "d4-lite"] = Field(
         "none", description="flip test-time augmentation (validation too): d4-lite = identity, h, v and hv flips"
     )
+    ensemble: Literal["logits", "probabilities"] = Field(
+        "logits", description="how several checkpoints' probabilities combine (e.g. every fold's): the sigmoid of "
+        "their mean logit (each clamped to [1e-4, 1 - 1e-4]), or their mean"
+    )
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the model for test prediction (one graph: the short last batch is padded); "
         "auto = on with CUDA (where Triton is installed)"

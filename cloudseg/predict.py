@@ -102,27 +102,38 @@ class Probabilities(NamedTuple):
 @torch.no_grad()
 def batch_probabilities(models: list[CloudNet], images: torch.Tensor, dtype: torch.dtype | None,
                         predict: PredictConfig) -> Probabilities:
-    """The models' mean probabilities for a batch (each with `predict.tta` and, when
-    `predict.zero_black`, zero on no-data pixels), the same resized to submission size, and
-    the mean of their heads' probabilities (when each has a head). Averaging is linear, so
-    averaging before the resize equals averaging after it."""
-    native, classes = ensemble_probs(models, images, dtype, predict.tta, predict.zero_black)
+    """The models' combined probabilities for a batch (`ensemble_probs` by `predict.ensemble`;
+    each model's with `predict.tta` and, when `predict.zero_black`, zero on no-data pixels), the
+    same resized to submission size, and their heads' combined probabilities (when each has a
+    head). Models combine at the images' own size, then the result is resized."""
+    native, classes = ensemble_probs(models, images, dtype, predict.tta, predict.zero_black, predict.ensemble)
     return Probabilities(native, resize_probs(native), classes)
 
 
+# predict.ensemble=logits: each model's probability is clamped to [EPS, 1 - EPS] before its logit,
+# so that one saturated model (a logit of ±9.2 at most) cannot outvote the others alone.
+ENSEMBLE_EPS = 1e-4
+
+
 def ensemble_probs(models: list[CloudNet], images: torch.Tensor, dtype: torch.dtype | None, tta: str = "none",
-                   zero_black: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The models' mean `predict_probs` at the images' own size, and the mean of their heads'
-    probabilities (None unless every model has a head)."""
-    probs, heads, every_head = None, None, True
+                   zero_black: bool = False, combine: str = "logits") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The models' `predict_probs` at the images' own size combined, and their heads'
+    probabilities combined alike (None unless every model has a head). `combine` (predict.ensemble):
+    "logits", the sigmoid of their mean logit, or "probabilities", their mean. One model's are
+    its own either way."""
+    if len(models) == 1:
+        return predict_probs(models[0], images, dtype, tta, zero_black, with_classes=True)
+    to_sum = (lambda p: p.logit_(eps=ENSEMBLE_EPS)) if combine == "logits" else (lambda p: p)  # fresh tensors: in place
+    total, heads, every_head = None, None, True
     for model in models:
         model_probs, model_classes = predict_probs(model, images, dtype, tta, zero_black, with_classes=True)
-        probs = summed(probs, model_probs)
+        total = summed(total, to_sum(model_probs))
         every_head = every_head and model_classes is not None
-        heads = summed(heads, model_classes) if every_head else None
-    if len(models) == 1:
-        return probs, heads
-    return probs.div_(len(models)), None if heads is None else heads.div_(len(models))
+        heads = summed(heads, to_sum(model_classes)) if every_head else None
+    total, heads = total.div_(len(models)), None if heads is None else heads.div_(len(models))
+    if combine == "logits":
+        total, heads = total.sigmoid_(), None if heads is None else heads.sigmoid_()
+    return total, heads
 
 
 def no_data(images: torch.Tensor) -> torch.Tensor:
@@ -236,7 +247,8 @@ def ensemble_native(ensemble: Ensemble, images: torch.Tensor, *,
     if ensemble.compiling:
         images = padded(images, predict_config.batch_size)
     with compile_logged(ensemble.compiling, images.shape, what="prediction batches"):
-        native, classes = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta, zero_black)
+        native, classes = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta, zero_black,
+                                         predict_config.ensemble)
     return native[:count], None if classes is None else classes[:count]
 
 

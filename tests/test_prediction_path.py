@@ -1,5 +1,5 @@
 """predict end to end with models whose outputs are known: a perfect model scores exactly 1,
-an ensemble is the average of its members.
+an ensemble combines its members as predict.ensemble says.
 
 The perfect model's logits are ±20, far from any threshold, and it finds each image by its pixels
 within a GPU decode's differences: its tests hold on any device and run on the `device` fixture's
@@ -121,26 +121,71 @@ class Noise(nn.Module):
         return self.conv(images.float() / 255 - 0.5) * 8
 
 
-def test_an_ensemble_is_the_average_of_its_members(submission_sized_data, tmp_path, monkeypatch):
-    """Would catch: predict using only the first (or last) checkpoint, or combining the
-    members by anything but the mean of their probabilities (max, mean of masks, logits).
-    On the CPU: the expected masks are thresholded from CPU sums, and a GPU's TF32 convolutions
-    could move a pixel across the threshold."""
+@pytest.mark.parametrize("combine", ["logits", "probabilities"])
+def test_an_ensemble_combines_its_members_as_predict_ensemble_says(submission_sized_data, tmp_path, monkeypatch,
+                                                                      combine):
+    """predict.ensemble=logits: the sigmoid of the members' mean logit, each probability clamped
+    to [1e-4, 1 - 1e-4]; =probabilities: their mean. Would catch: predict using only the first
+    (or last) checkpoint, combining by anything else (max, mean of masks, the other of the two),
+    or ignoring the key. On the CPU: the expected masks are thresholded from CPU sums, and a
+    GPU's TF32 convolutions could move a pixel across the threshold."""
     members = [Noise(1), Noise(2)]
-    path = predict_with(members, monkeypatch, submission_sized_data, tmp_path / "both.csv", "cpu")
+    path = predict_with(members, monkeypatch, submission_sized_data, tmp_path / "both.csv", "cpu",
+                        [f"predict.ensemble={combine}", "predict.threshold=0.3"])
     got = read_label_csv(path)
     dataset = CloudDataset(submission_sized_data, "test")
-    rule = CONFIG.predict
+    # not 0.5: there the two ways agree for two members (p + q > 1 exactly where a + b > 0)
+    rule = CONFIG.predict.model_copy(update={"threshold": (0.3,) * 4})
+    differ = False
     for i in range(len(dataset)):
         item = dataset[i]
         with torch.no_grad():
             probs = [member(item["image"][None]).sigmoid() for member in members]
-        expected = postprocess(resize_probs(((probs[0] + probs[1]) / 2)).numpy(), rule.threshold, rule.min_area,
-                               rule.gate)[0]
-        alone = postprocess(resize_probs(probs[0]).numpy(), rule.threshold, rule.min_area, rule.gate)[0]
+        combined = {"logits": torch.stack([p.logit(eps=1e-4) for p in probs]).mean(0).sigmoid(),
+                    "probabilities": (probs[0] + probs[1]) / 2}
+        masks = {name: postprocess(resize_probs(p).numpy(), rule.threshold, rule.min_area, rule.gate)[0]
+                 for name, p in combined.items()}
         decoded = np.stack(decode_masks(got, item["image_id"], SUBMISSION_SHAPE, path))
-        assert np.array_equal(decoded, expected), item["image_id"]
-        assert not np.array_equal(alone, expected)  # the members differ: the test can tell
+        assert np.array_equal(decoded, masks[combine]), item["image_id"]
+        alone = postprocess(resize_probs(probs[0]).numpy(), rule.threshold, rule.min_area, rule.gate)[0]
+        assert not np.array_equal(alone, masks[combine])  # the members differ: the test can tell
+        differ = differ or not np.array_equal(masks["logits"], masks["probabilities"])
+    assert differ  # and so can the two ways
+
+
+class Constant(nn.Module):
+    """An smp-like network with a classification head: every mask logit `mask`, every class logit `label`."""
+
+    def __init__(self, mask: float, label: float):
+        super().__init__()
+        self.mask, self.label = mask, label
+        self.classification_head = nn.Identity()  # what CloudNet.has_head looks for
+
+    def forward(self, x):
+        n, _, h, w = x.shape
+        return x.new_full((n, len(LABELS), h, w), self.mask), x.new_full((n, len(LABELS)), self.label)
+
+
+def test_the_logit_mean_clamps_each_member_and_leaves_one_model_alone():
+    """Hand-computed: members of logits +20 and -2. The logit mean clamps sigmoid(20) to 1 - 1e-4
+    (logit ln 9999 = 9.2102), so (9.2102 - 2) / 2 = 3.6051, sigmoid 0.97353; the probability mean
+    is (1 + 0.11920) / 2 = 0.55960; heads combine alike. One model's probabilities are its own,
+    unclamped. Would catch: no clamp (sigmoid(9) = 0.99988), the mean of probabilities, the heads
+    left as the mean of probabilities, and a single model clamped (its OOF would no longer be
+    what it predicts)."""
+    from cloudseg.model import CloudNet
+    from cloudseg.predict import ensemble_probs
+
+    images = torch.zeros(1, 3, 40, 60, dtype=torch.uint8)
+    members = [CloudNet(Constant(20.0, 20.0)).eval(), CloudNet(Constant(-2.0, -2.0)).eval()]
+    for combine, expected in (("logits", 0.97353), ("probabilities", 0.55960)):
+        probs, heads = ensemble_probs(members, images, None, combine=combine)
+        assert probs.shape == (1, len(LABELS), 40, 60)
+        torch.testing.assert_close(probs, torch.full_like(probs, expected), atol=2e-5, rtol=0)
+        torch.testing.assert_close(heads, torch.full_like(heads, expected), atol=2e-5, rtol=0)
+    alone, head = ensemble_probs(members[:1], images, None, combine="logits")
+    assert (alone == torch.sigmoid(torch.tensor(20.0))).all() and (alone > 1 - 1e-4).all()
+    assert (head > 1 - 1e-4).all()
 
 
 def test_which_rule_predict_applies(tmp_path, caplog):
