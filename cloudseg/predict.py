@@ -162,7 +162,7 @@ def padded(images: torch.Tensor, size: int) -> torch.Tensor:
 
 def predict(checkpoints: list[str], data_dir: str | None, out: str, overrides: list[str] = (),
             postprocess_file: str | None = None, device: str = "auto") -> Path:
-    """Average the checkpoints' probabilities at 350×525, post-process by the tuned rule (see
+    """Combine the checkpoints' probabilities (predict.ensemble) at 350×525, post-process by the tuned rule (see
     `tuned_rule`), write a checked submission. `overrides` (predict.threshold=...) come last;
     `device`: auto (a GPU when PyTorch sees one), cpu or cuda."""
     if Path(out).is_dir():  # told now, not after the whole prediction
