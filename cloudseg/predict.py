@@ -106,7 +106,7 @@ def batch_probabilities(models: list[CloudNet], images: torch.Tensor, dtype: tor
     each model's with `predict.tta` and, when `predict.zero_black`, zero on no-data pixels), the
     same resized to submission size, and their heads' combined probabilities (when each has a
     head). Models combine at the images' own size, then the result is resized."""
-    native, classes = ensemble_probs(models, images, dtype, predict.tta, predict.zero_black, predict.ensemble)
+    native, classes = ensemble_probs(models, images, dtype, predict.tta, predict.zero_black, combine=predict.ensemble)
     return Probabilities(native, resize_probs(native), classes)
 
 
@@ -116,7 +116,7 @@ ENSEMBLE_EPS = 1e-4
 
 
 def ensemble_probs(models: list[CloudNet], images: torch.Tensor, dtype: torch.dtype | None, tta: str = "none",
-                   zero_black: bool = False, combine: str = "logits") -> tuple[torch.Tensor, torch.Tensor | None]:
+                   zero_black: bool = False, *, combine: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The models' `predict_probs` at the images' own size combined, and their heads'
     probabilities combined alike (None unless every model has a head). `combine` (predict.ensemble):
     "logits", the sigmoid of their mean logit, or "probabilities", their mean. One model's are
@@ -248,7 +248,7 @@ def ensemble_native(ensemble: Ensemble, images: torch.Tensor, *,
         images = padded(images, predict_config.batch_size)
     with compile_logged(ensemble.compiling, images.shape, what="prediction batches"):
         native, classes = ensemble_probs(ensemble.forwards, images, ensemble.dtype, predict_config.tta, zero_black,
-                                         predict_config.ensemble)
+                                         combine=predict_config.ensemble)
     return native[:count], None if classes is None else classes[:count]
 
 
