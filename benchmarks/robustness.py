@@ -15,8 +15,9 @@ noisy`) also the box oracle (the true regions' boxes against the crowd's labels:
 model can hope for) and the share of the margin captured, (default − all-empty) / (box oracle
 − all-empty). Every variant's data, run directory, submissions and command logs stay under
 --out for inspection. `--retune` reuses the runs an earlier study left under --out: each
-run's rule is tuned again by today's code (`cloudseg tune RUN --out RUN/postprocess.json`, what
-training's last step writes) and the submissions made again, without training.
+run's rule is tuned again by today's code (an every-fold run's in-sample probabilities made again,
+`cloudseg oof --checkpoint RUN/best.pt`, then `cloudseg tune RUN --out RUN/postprocess.json`: what
+training's last steps write) and the submissions made again, without training.
 
 `--epochs` sets train.epochs; train.min_steps (200 by default) still raises it on small data, as
 it does for a user (64 images: 16 epochs); `--set train.min_steps=0` trains exactly --epochs.
@@ -47,8 +48,11 @@ import numpy as np
 import pandas as pd
 
 from cloudseg.cli import add_device_option
+from cloudseg.config import load_config
 from cloudseg.data import read_label_csv, read_train_csv
+from cloudseg.every_fold import in_sample_rule, is_every_fold_run
 from cloudseg.metrics import evaluate_submission
+from cloudseg.oof import IN_SAMPLE_FILE
 from cloudseg.synth import TEST_SOLUTION_CSV
 from cloudseg.task import ID_COLUMN, LABELS, RLE_COLUMN, SAMPLE_SUBMISSION_CSV
 from cloudseg.units import human_duration
@@ -123,8 +127,10 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
     if args.retune:
         if not (run / "best.pt").is_file():
             raise FileNotFoundError(f"{run}/best.pt: --retune needs the runs of an earlier study under --out")
-        folds = sorted(run.glob("fold*/")) or [run]  # an every-fold run's rule is its folds' pooled one
-        cloudseg("tune", *map(str, folds), "--out", str(run / "postprocess.json"), log=log)
+        if is_every_fold_run(run) and in_sample_rule(load_config(run / "config.yaml")):  # as training's last step
+            (run / IN_SAMPLE_FILE).unlink(missing_ok=True)  # made again by today's code
+            cloudseg("oof", "--checkpoint", str(run / "best.pt"), "--device", args.device, log=log)
+        cloudseg("tune", str(run), "--out", str(run / "postprocess.json"), log=log)
     else:
         fresh_folder(folder)
         generate(variant, data, args.n_train, args.n_test)
@@ -136,7 +142,7 @@ def study_variant(name: str, variant, args, root: Path) -> dict:
     cloudseg("predict", "--checkpoint", best, "--out", str(folder / "untuned.csv"), "--postprocess", "none", *device,
              log=log)
     folds = sorted(run.glob("fold*/")) or [run]  # an every-fold run (train.every_fold), or one fold
-    cloudseg("tune", *map(str, folds), "--out", str(folder / "tuned.json"), log=log)
+    cloudseg("tune", str(run), "--out", str(folder / "tuned.json"), log=log)  # an every-fold run: its folds' pooled
     cloudseg("predict", "--checkpoint", best, "--out", str(folder / "explicit.csv"),
              "--postprocess", str(folder / "tuned.json"), *device, log=log)
     # the one-fold path: fold 0's model and its own rule, what train.every_fold=false would have trained

@@ -204,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_option(segment)
     segment.set_defaults(run=run_segment)
 
-    oof = commands.add_parser("oof", help="write a checkpoint's out-of-fold probabilities (training does this too)")
+    oof = commands.add_parser("oof", help="write a checkpoint's out-of-fold probabilities (training does this too); "
+                              "for an every-fold run's best.pt, its folds' ensemble on every training image")
     oof.add_argument("--checkpoint", required=True)
-    oof.add_argument("--out", help="default: oof.npz beside the checkpoint")
+    oof.add_argument("--out", help="default: oof.npz beside the checkpoint (insample.npz beside an every-fold run's)")
     add_device_option(oof)
     oof.set_defaults(run=run_oof)
 
@@ -226,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     swa.set_defaults(run=run_swa)
 
     tune = commands.add_parser("tune", help="search per-class threshold, min area and empty-mask gate on OOF probabilities")
-    tune.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs with oof.npz (e.g. every fold)")
+    tune.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs with oof.npz (e.g. every fold), or an "
+                      "every-fold run (its folds', and its insample.npz where it has one)")
     tune.add_argument("--out", help="default: RUN_DIR/postprocess.json for one run, where predict finds it; for "
                                     "several, postprocess.json beside the first (make cv's pooled rule)")
     tune.set_defaults(run=run_tune)

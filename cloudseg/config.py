@@ -198,6 +198,11 @@ class TrainConfig(Section):
         "out-of-fold images and predict with their ensemble (RUN/best.pt names them); false = data.fold alone; "
         "auto = every fold where the data has at most 400 training images (docs/cross-validation.md)"
     )
+    in_sample_rule: bool | Literal["auto"] = Field(
+        "auto", description="an every-fold run also tunes its rule on the folds' ensemble predicting every training "
+        "image (RUN/insample.npz), beside their out-of-fold images: a rule that fits the ensemble predict applies; "
+        "auto = where the data has at most 400 training images (docs/cross-validation.md)"
+    )
 
     @model_validator(mode="after")
     def _accumulation_divides(self):

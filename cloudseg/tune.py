@@ -16,7 +16,7 @@ import numpy as np
 
 from cloudseg.checkpoint import fold_checkpoints
 from cloudseg.config import load_config
-from cloudseg.oof import OOF_FILE, read_oof
+from cloudseg.oof import IN_SAMPLE_FILE, OOF_FILE, read_oof
 from cloudseg.metrics import dice
 from cloudseg.postprocess import (GATE_SCORES, GATES, HEAD_GATES, MIN_AREAS, RULE_DEFAULTS, RULE_FILE, RULE_KEYS,
                                   THRESHOLDS, TOP_K, all_gate_scores, apply_rule, grid_scores, postprocess, presence_scores,
@@ -34,20 +34,66 @@ PRIOR_IMAGES = 5
 
 
 def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
-    """Search threshold, minimum area and gate per class; write postprocess.json; return it.
+    """Search threshold, minimum area and gate per class on the runs' pooled out-of-fold images
+    (an every-fold run's folds' files), and on an every-fold run's in-sample ones (its insample.npz,
+    where training wrote it: the rule then fits the folds' ensemble); write postprocess.json, with
+    the CV figures of the out-of-fold images alone; return it.
 
     The runs' own rule (predict.* in the first run's config.yaml) is part of the grid, so it is
     scored exactly and wins where it is best; see `RuleSearch` for the guard against a small fold.
     """
-    ids, probs, truth, classes = pool([fold for r in run_dirs for fold in folds_of(Path(r))])
+    folds = [fold for r in run_dirs for fold in folds_of(Path(r))]
+    ids, probs, truth, classes = pool(folds)
+    in_sample = in_sample_parts([Path(r) for r in run_dirs], ids, classes is not None)
     current = load_config(Path(run_dirs[0]) / "config.yaml").predict
     started = time.perf_counter()
-    result = search_rule(probs, truth, current, classes8=classes)
-    result.update(runs=[str(fold) for r in run_dirs for fold in folds_of(Path(r))], seconds=time.perf_counter() - started)
+    if in_sample:  # the rule is chosen on both; the out-of-fold images alone score it, as cross-validation does
+        every = [(probs, truth, classes), *in_sample]
+        result = search_rule(np.concatenate([part[0] for part in every]), np.concatenate([part[1] for part in every]),
+                             current, classes8=None if classes is None else np.concatenate([part[2] for part in every]))
+        scored = rule_scores(probs, truth, result, current, classes)
+        result["cv_dice"] = {key: scored[key] for key in result["cv_dice"]}
+    else:
+        result = search_rule(probs, truth, current, classes8=classes)
+    result.update(in_sample_images=sum(len(part[0]) for part in in_sample), runs=[str(fold) for fold in folds],
+                  seconds=time.perf_counter() - started)
     out = Path(out) if out else default_rule_file(run_dirs)
     write_rule_file(result, out)
     result["path"] = str(out)
     return result
+
+
+def in_sample_parts(run_dirs: list[Path], oof_ids: np.ndarray, head: bool) -> list[tuple]:
+    """(probabilities, true masks, head probabilities or None) of the every-fold runs' in-sample
+    files (RUN/insample.npz, their ensembles on every training image; a run without one adds
+    none), each of the same images as the runs' out-of-fold files; head probabilities only when
+    the out-of-fold files have them too."""
+    parts = []
+    for run in run_dirs:
+        path = run / IN_SAMPLE_FILE
+        if folds_of(run) == [run] or not path.is_file():
+            continue
+        ids, probs, truth, classes = read_oof(path, with_classes=True)
+        if set(ids) - set(oof_ids) or len(ids) != len(set(ids)):
+            raise ValueError(f"{path}: its images are not the out-of-fold images of {run}'s folds (a fold trained "
+                             f"again since?); delete it and make it again: cloudseg oof --checkpoint {run / 'best.pt'}")
+        if head and classes is None:
+            raise ValueError(f"{path}: no head probabilities, and the out-of-fold files of {run}'s folds have them: "
+                             f"make it again: cloudseg oof --checkpoint {run / 'best.pt'}")
+        parts.append((probs, truth, classes if head else None))
+    return parts
+
+
+def rule_scores(probs8, truth, rule: dict, current, classes8=None) -> dict:
+    """The mean Dice over these images ({"mean": ..., label: ...}) of the current rule ("before"),
+    `rule` without boxes or forced label ("after"), with its boxes ("boxed") and whole
+    ("forced"): the figures `search_rule` reports, for images the rule was not searched on alone."""
+    plain = {**rule, "box": [False] * len(LABELS), "force_label": None}
+    before = {**plain, **{key: list(_rule_value(current, key)) for key in RULE_KEYS},
+              "gate_on": list(_rule_value(current, "gate_on", RULE_DEFAULTS["gate_on"]))}
+    return {"before": rule_dice(probs8, truth, before, classes8), "after": rule_dice(probs8, truth, plain, classes8),
+            "boxed": rule_dice(probs8, truth, {**rule, "force_label": None}, classes8),
+            "forced": rule_dice(probs8, truth, rule, classes8)}
 
 
 def folds_of(run_dir: Path) -> list[Path]:
@@ -279,6 +325,9 @@ def table(result: dict) -> str:
         lines.append(f"at least one label per image: the likeliest class above {result['force_label']:.2f} where the "
                      f"rule leaves none; CV {result['cv_dice']['forced']['mean']:.4f}")
     lines += pooled_notes(result)
-    lines.append(f"{result['images']} out-of-fold images from {len(result['runs'])} run(s), searched in "
+    in_sample = result.get("in_sample_images", 0)
+    lines.append(f"{result['images'] - in_sample} out-of-fold images from {len(result['runs'])} run(s)"
+                 + (f" and {in_sample} in-sample ones (the folds' ensemble; the CV figures are the out-of-fold images')"
+                    if in_sample else "") + ", searched in "
                  f"{human_duration(result['seconds'])}; wrote {result['path']}")
     return "\n".join(lines)

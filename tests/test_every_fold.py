@@ -15,7 +15,12 @@ from cloudseg import every_fold as every_fold_module
 from cloudseg.checkpoint import FOLDS, fold_checkpoints, load_checkpoint
 from cloudseg.cli import main
 from cloudseg.config import load_config
+from cloudseg.data import CloudDataset
 from cloudseg.every_fold import every_fold, is_every_fold_run
+from cloudseg.metrics import resize_masks, resize_probs
+from cloudseg.oof import read_oof
+from cloudseg.postprocess import quantize
+from cloudseg.predict import load_model, predict_probs
 from tests.conftest import TINY, signal_during
 
 # The tests' tiny training, left to decide its folds itself: 24 images in 3 folds, 1 epoch each.
@@ -67,12 +72,64 @@ def test_a_small_dataset_trains_every_fold_and_tunes_one_rule_on_every_image(dat
     held_out = [set(np.load(fold / "oof.npz")["image_ids"]) for fold in folds]
     assert sum(map(len, held_out)) == 24 and len(set().union(*held_out)) == 24  # each image out of fold once
     rule = json.loads((run / "postprocess.json").read_text())
-    assert rule["images"] == 24 and rule["runs"] == [str(fold) for fold in folds]
+    assert rule["images"] == 48 and rule["in_sample_images"] == 24 and rule["runs"] == [str(fold) for fold in folds]
+    assert sorted(np.load(run / "insample.npz")["image_ids"]) == sorted(set().union(*held_out))
     assert fold_checkpoints(run / "best.pt") == [fold / "best.pt" for fold in folds]
     assert is_every_fold_run(run) and load_config(run / "config.yaml").train.every_fold is True
     assert "3 folds; CV Dice" in capsys.readouterr().out
     assert main(["tune", str(run), "--out", str(tmp_path / "again.json")]) == 0  # the run stands for its folds
     assert json.loads((tmp_path / "again.json").read_text())["threshold"] == rule["threshold"]
+
+
+def test_the_in_sample_file_is_the_folds_ensemble_on_every_training_image(data, tmp_path):
+    """RUN/insample.npz against the three folds' predict_probs combined by hand (the sigmoid of
+    their mean clamped logit, resized to 350×525), image by image under its id, and `cloudseg oof
+    --checkpoint RUN/best.pt` against it. Would catch: one fold's model standing for the ensemble,
+    rows in another order than their ids, truth of other images, and the
+    command and training writing different files. (These barely trained models' logits are near
+    0: their mean and their probabilities' mean round alike; tests/test_prediction_path.py tells
+    the two ensembles apart.)"""
+    run = tmp_path / "run"
+    assert train_cli(run, data) == 0
+    ids, probs, truth = read_oof(run / "insample.npz")
+    models = [load_model(run / f"fold{k}/best.pt", torch.device("cpu"))[0] for k in range(3)]
+    dataset = CloudDataset(data, "train", list(ids))
+    one_model_differs = False
+    for row, image_id in enumerate(ids):
+        item = dataset[row]
+        assert item["image_id"] == image_id
+        each = [predict_probs(model, item["image"][None]) for model in models]
+        by_logits = resize_probs(torch.stack([p.clamp(1e-4, 1 - 1e-4).logit() for p in each]).mean(0).sigmoid())
+        assert np.abs(probs[row].astype(int) - quantize(by_logits.numpy())[0]).max() <= 1
+        assert np.array_equal(truth[row], resize_masks(item["mask"]).numpy().astype(bool))
+        one_model_differs |= np.abs(probs[row].astype(int) - quantize(resize_probs(each[0]).numpy())[0]).max() > 1
+    assert one_model_differs  # the comparison above can tell the ensemble from one fold
+    (run / "insample.npz").rename(tmp_path / "trained.npz")
+    assert main(["oof", "--checkpoint", str(run / "best.pt"), "--device", "cpu"]) == 0
+    for key in ("image_ids", "probs", "truth"):
+        assert np.array_equal(np.load(run / "insample.npz")[key], np.load(tmp_path / "trained.npz")[key])
+
+
+def test_the_in_sample_file_follows_the_setting_and_the_folds_it_comes_from(data, tmp_path, monkeypatch):
+    """train.in_sample_rule=false: no RUN/insample.npz, the rule tuned on the 24 out-of-fold images
+    alone; a resume with it true writes one and tunes on 48; a fold trained again on a resume makes
+    it again (a damaged file stands for a stale one here: it is read only if it was kept). Would
+    catch: the setting ignored either way, and the in-sample file of the folds' earlier models
+    kept after one of them changed."""
+    run = tmp_path / "run"
+    assert train_cli(run, data, "train.in_sample_rule=false") == 0
+    assert not (run / "insample.npz").exists()
+    rule = json.loads((run / "postprocess.json").read_text())
+    assert rule["images"] == 24 and rule["in_sample_images"] == 0
+    assert main(["train", "--resume", str(run), "train.in_sample_rule=true"]) == 0
+    assert json.loads((run / "postprocess.json").read_text())["in_sample_images"] == 24
+    (run / "insample.npz").write_bytes(b"stale")
+    kept = (run / "fold2/oof.npz").read_bytes()
+    (run / "fold2/oof.npz").unlink()
+    monkeypatch.setattr(every_fold_module, "train_fold",
+                        lambda config, fold, k, overrides: (fold / "oof.npz").write_bytes(kept))  # "trained again"
+    assert main(["train", "--resume", str(run)]) == 0
+    assert len(read_oof(run / "insample.npz")[0]) == 24
 
 
 def test_predict_uses_every_fold_and_the_pooled_rule_and_names_a_missing_fold(data, tmp_path, caplog):
@@ -138,7 +195,7 @@ def test_a_resumed_run_finishes_the_fold_it_was_in_then_the_rest_only(data, tmp_
     assert "fold 2 of 3: training into" in caplog.text
     assert {path.name: path.stat().st_mtime_ns for path in (run / "fold0").iterdir()} == fold0
     assert all((run / f"fold{k}/oof.npz").is_file() for k in range(3))
-    assert json.loads((run / "postprocess.json").read_text())["images"] == 24
+    assert json.loads((run / "postprocess.json").read_text())["images"] == 48  # 24 out-of-fold, 24 in-sample
     assert len(fold_checkpoints(run / "best.pt")) == 3
     assert train_cli(run, data) == 2  # a new run into it is refused: it holds one
     assert "continue it with --resume" in capsys.readouterr().err

@@ -257,6 +257,61 @@ def test_ties_go_to_the_rule_that_removes_least():
     assert rule_at(np.unravel_index(np.argmax(scores), scores.shape)) != [0.32, 0, 0.0]  # the argmax would not
 
 
+def every_fold_run(run, ids, probs8, truth, folds=2):
+    """An every-fold run's files, as training leaves them: the folds' OOF files of `ids` in equal
+    parts, RUN/config.yaml and RUN/best.pt naming the folds' (empty) best.pt."""
+    from cloudseg.checkpoint import FOLDS, save_checkpoint
+
+    size = len(ids) // folds
+    for k in range(folds):
+        part = slice(k * size, (k + 1) * size)
+        fake_run(run / f"fold{k}", ids[part], probs8[part], truth[part])
+        (run / f"fold{k}" / "best.pt").touch()
+    shutil.copy(run / "fold0" / "config.yaml", run / "config.yaml")
+    save_checkpoint(run / "best.pt", {FOLDS: [f"fold{k}/best.pt" for k in range(folds)], "config": {}})
+    return run
+
+
+def test_an_every_fold_run_s_rule_is_tuned_on_its_in_sample_images_too_and_scored_on_the_out_of_fold_ones(tmp_path):
+    """Six out-of-fold images planted at threshold 0.32, four in-sample ones (RUN/insample.npz) at
+    0.59: alone each gives its own threshold, together (0.32 with a 0.6 gate) neither. `tune RUN`
+    must choose the rule of the ten images together, and report the CV figures of the six out-of-fold
+    images under it (computed here by postprocess and dice). Would catch: the in-sample file ignored
+    (0.32, no gate) or used alone (0.59), CV figures that count the in-sample images (too high: they
+    fit), and the folds named one by one picking it up (it belongs to the run, not to a fold)."""
+    oof_probs, oof_truth = planted_per_class(6, (0.32,) * 4, seed=0)
+    in_probs, in_truth = planted_per_class(4, (0.59,) * 4, seed=50)
+    ids = [f"{i}.jpg" for i in range(6)]
+    run = every_fold_run(tmp_path / "run", ids, oof_probs, oof_truth)
+    write_oof(run / "insample.npz", ids[:4], in_probs, in_truth)
+    keys = ("threshold", "min_area", "gate", "box")
+    rule_of = lambda result: [result[key][0] for key in keys]  # noqa: E731 (Fish's)
+    alone, in_sample_alone = search_rule(oof_probs, oof_truth, RUN_RULE), search_rule(in_probs, in_truth, RUN_RULE)
+    together = search_rule(np.concatenate([oof_probs, in_probs]), np.concatenate([oof_truth, in_truth]), RUN_RULE)
+    assert len({str(rule_of(r)) for r in (alone, in_sample_alone, together)}) == 3  # the planting tells them apart
+
+    result = tune([run])
+    assert rule_of(result) == rule_of(together) and result["images"] == 10 and result["in_sample_images"] == 4
+    plain = postprocess(oof_probs, result["threshold"], result["min_area"], result["gate"])
+    assert result["cv_dice"]["after"]["mean"] == pytest.approx(np.asarray(dice(plain, oof_truth)).mean())
+    untuned = postprocess(oof_probs, (0.5,) * 4, (0,) * 4)
+    assert result["cv_dice"]["before"]["mean"] == pytest.approx(np.asarray(dice(untuned, oof_truth)).mean())
+    assert json.loads((run / "postprocess.json").read_text())["in_sample_images"] == 4
+    by_fold = tune([run / "fold0", run / "fold1"], tmp_path / "by_fold.json")
+    assert rule_of(by_fold) == rule_of(alone) and by_fold["in_sample_images"] == 0
+
+
+def test_an_in_sample_file_of_other_images_is_one_line_saying_how_to_make_it_again(tmp_path):
+    """An in-sample file left from an earlier data folder (an image no fold holds out). Would catch
+    it pooled in silence, a rule tuned on images that are not the run's."""
+    probs8, truth = planted(4, threshold=0.5)
+    run = every_fold_run(tmp_path / "run", ["a.jpg", "b.jpg", "c.jpg", "d.jpg"], probs8, truth)
+    write_oof(run / "insample.npz", ["a.jpg", "e.jpg"], probs8[:2], truth[:2])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(run / 'insample.npz'))}: its images are not the "
+                                         rf"out-of-fold images.*cloudseg oof --checkpoint {re.escape(str(run))}"):
+        tune([run])
+
+
 def test_runs_sharing_an_image_cannot_be_pooled(tmp_path):
     """The error names the image and both runs. Would catch an error that leaves the user to find them."""
     probs8, truth = planted(2, threshold=0.5)
