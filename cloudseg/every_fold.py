@@ -15,8 +15,9 @@ rule, and the folds' ensemble to predict with, for k trainings of a small datase
 
 The pooled rule fits the folds' ensemble, which predict applies it to, better when it is also tuned
 on that ensemble's probabilities of the training images themselves (RUN/insample.npz,
-train.in_sample_rule): on unseen noisy datasets of 160 images it captured 79% of the margin where
-the out-of-fold images alone captured 64% (docs/cross-validation.md, 2026-12-05). In-sample
+train.in_sample_rule): on noisy datasets of 160 images it captured 79% of the margin where the
+out-of-fold images alone captured 64% on the five draws it was chosen on, 61% against 59% on five
+fresh ones (docs/cross-validation.md, 2026-12-05). In-sample
 probabilities alone are too sure of themselves (each image was trained on by all folds but one);
 beside the out-of-fold ones they tell the rule how the ensemble's probabilities run.
 
