@@ -2,8 +2,8 @@
 
 Data path: train.csv → Dataset → loader → model → accumulated step → **the run: one fold, or every
 fold (train.py for each) and one rule tuned on all their out-of-fold images (and on the folds'
-ensemble predicting every training image)** → checkpoint →
-probabilities at 350×525 → post-process → submission.
+ensemble predicting every training image)** → checkpoint → probabilities at 350×525 →
+post-process → submission.
 
 Where the data is small, one fold's out-of-fold images are too few to tune the rule on (13 of 64
 training images, 32 of 160), and the rule is where the score is lost: on noisy labels a rule tuned
@@ -17,16 +17,17 @@ The pooled rule fits the folds' ensemble, which predict applies it to, better wh
 on that ensemble's probabilities of the training images themselves (RUN/insample.npz,
 train.in_sample_rule): on noisy datasets of 160 images it captured 79% of the margin where the
 out-of-fold images alone captured 64% on the five draws it was chosen on, 61% against 59% on five
-fresh ones (docs/cross-validation.md, 2026-12-05). In-sample
-probabilities alone are too sure of themselves (each image was trained on by all folds but one);
-beside the out-of-fold ones they tell the rule how the ensemble's probabilities run.
+fresh ones (docs/cross-validation.md, 2026-12-05). In-sample probabilities alone are too sure of
+themselves (each image was trained on by all folds but one); beside the out-of-fold ones they
+tell the rule how the ensemble's probabilities run.
 
 An every-fold run RUN holds the folds as ordinary runs, RUN/fold0 ... RUN/fold{k-1} (each with its
 best.pt, last.pt, config.yaml, metrics.csv, oof.npz and its own rule), and beside them RUN/config.yaml
-(train.every_fold: true), RUN/insample.npz, the pooled rule RUN/postprocess.json (make cv's layout) and RUN/best.pt,
-which names the folds' best.pt (checkpoint.FOLDS) so that `cloudseg predict --checkpoint RUN/best.pt`
-predicts with every fold and the pooled rule. A fold with its oof.npz is done; a resume goes on with
-the fold that has a last.pt and no oof.npz, then trains the rest.
+(train.every_fold: true), RUN/insample.npz, the pooled rule RUN/postprocess.json (make cv's layout)
+and RUN/best.pt, which names the folds' best.pt (checkpoint.FOLDS) so that `cloudseg predict
+--checkpoint RUN/best.pt` predicts with every fold and the pooled rule. A fold with its oof.npz is
+done; a resume goes on with the fold that has a last.pt and no oof.npz, then trains the rest (and
+makes insample.npz again).
 """
 
 from __future__ import annotations

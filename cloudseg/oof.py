@@ -58,11 +58,11 @@ def predict_in_sample(checkpoints: list[Path], device) -> tuple[list[str], np.nd
 
 
 @torch.no_grad()
-def predict_images(models: list, config: Config, ids: list[str], device, *, stop_requested=None,
+def predict_images(models: list, config: Config, image_ids: list[str], device, *, stop_requested=None,
                    desc: str = "out-of-fold") -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None]:
-    """(ids, uint8 probabilities, true masks, uint8 head probabilities or None) of training images
-    `ids` by the models' `batch_probabilities`, at 350×525."""
-    dataset = CloudDataset(config.data.dir, "train", ids, None, config.data.image_size, config.data.on_bad_sample,
+    """(ids, uint8 probabilities, true masks, uint8 head probabilities or None) of the training
+    images `image_ids` (those readable) by the models' `batch_probabilities`, at 350×525."""
+    dataset = CloudDataset(config.data.dir, "train", image_ids, None, config.data.image_size, config.data.on_bad_sample,
                            decode=resolve_decode(config.data.decode, device))
     loader = make_loader(dataset, config.data, config.predict.batch_size, device)
     dtype = autocast_dtype(config.train.precision, device)
