@@ -42,17 +42,18 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     The runs' own rule (predict.* in the first run's config.yaml) is part of the grid, so it is
     scored exactly and wins where it is best; see `RuleSearch` for the guard against a small fold.
     """
-    folds = [fold for r in run_dirs for fold in folds_of(Path(r))]
+    runs = [(Path(r), folds_of(Path(r))) for r in run_dirs]
+    folds = [fold for _, run_folds in runs for fold in run_folds]
     ids, probs, truth, classes = pool(folds)
-    in_sample = in_sample_parts([Path(r) for r in run_dirs], ids, classes is not None)
+    in_sample = in_sample_parts([run for run, run_folds in runs if run_folds != [run]], ids, classes is not None)
     current = load_config(Path(run_dirs[0]) / "config.yaml").predict
     started = time.perf_counter()
     if in_sample:  # the rule is chosen on both; the out-of-fold images alone score it, as cross-validation does
         every = [(probs, truth, classes), *in_sample]
         result = search_rule(np.concatenate([part[0] for part in every]), np.concatenate([part[1] for part in every]),
                              current, classes8=None if classes is None else np.concatenate([part[2] for part in every]))
-        scored = rule_scores(probs, truth, result, current, classes)
-        result["cv_dice"] = {key: scored[key] for key in result["cv_dice"]}
+        rules = reported_rules(result, current)
+        result["cv_dice"] = {key: rule_dice(probs, truth, rules[key], classes) for key in result["cv_dice"]}
     else:
         result = search_rule(probs, truth, current, classes8=classes)
     result.update(in_sample_images=sum(len(part[0]) for part in in_sample), runs=[str(fold) for fold in folds],
@@ -63,15 +64,15 @@ def tune(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
     return result
 
 
-def in_sample_parts(run_dirs: list[Path], oof_ids: np.ndarray, head: bool) -> list[tuple]:
+def in_sample_parts(every_fold_runs: list[Path], oof_ids: np.ndarray, head: bool) -> list[tuple]:
     """(probabilities, true masks, head probabilities or None) of the every-fold runs' in-sample
     files (RUN/insample.npz, their ensembles on every training image; a run without one adds
     none), each of the same images as the runs' out-of-fold files; head probabilities only when
     the out-of-fold files have them too."""
     parts = []
-    for run in run_dirs:
+    for run in every_fold_runs:
         path = run / IN_SAMPLE_FILE
-        if folds_of(run) == [run] or not path.is_file():
+        if not path.is_file():
             continue
         ids, probs, truth, classes = read_oof(path, with_classes=True)
         if set(ids) - set(oof_ids) or len(ids) != len(set(ids)):
@@ -84,16 +85,14 @@ def in_sample_parts(run_dirs: list[Path], oof_ids: np.ndarray, head: bool) -> li
     return parts
 
 
-def rule_scores(probs8, truth, rule: dict, current, classes8=None) -> dict:
-    """The mean Dice over these images ({"mean": ..., label: ...}) of the current rule ("before"),
-    `rule` without boxes or forced label ("after"), with its boxes ("boxed") and whole
-    ("forced"): the figures `search_rule` reports, for images the rule was not searched on alone."""
+def reported_rules(rule: dict, current) -> dict:
+    """The rules behind each figure of `search_rule`'s cv_dice, to score them on other images:
+    the current rule ("before"), `rule` without boxes or forced label ("after"), with its boxes
+    ("boxed") and whole ("forced")."""
     plain = {**rule, "box": [False] * len(LABELS), "force_label": None}
     before = {**plain, **{key: list(_rule_value(current, key)) for key in RULE_KEYS},
               "gate_on": list(_rule_value(current, "gate_on", RULE_DEFAULTS["gate_on"]))}
-    return {"before": rule_dice(probs8, truth, before, classes8), "after": rule_dice(probs8, truth, plain, classes8),
-            "boxed": rule_dice(probs8, truth, {**rule, "force_label": None}, classes8),
-            "forced": rule_dice(probs8, truth, rule, classes8)}
+    return {"before": before, "after": plain, "boxed": {**rule, "force_label": None}, "forced": rule}
 
 
 def folds_of(run_dir: Path) -> list[Path]:
