@@ -110,13 +110,13 @@ class Probs(NamedTuple):
     truth: np.ndarray  # (N, 4, 350, 525) bool
 
 
-def test_probs(model, config, data: Path, device) -> Probs:
-    """The model's probabilities of the test images (and their truth), as predict computes them."""
+def test_probs(models: list, config, data: Path, device) -> Probs:
+    """The models' combined probabilities of the test images (and their truth), as predict computes them."""
     dataset = CloudDataset(data, "test", image_size=config.data.image_size, decode="cpu")
     dtype = autocast_dtype(config.train.precision, device)
     probs, classes = [], []
     for batch in make_loader(dataset, config.data, config.predict.batch_size, device):
-        out = batch_probabilities([model], batch["image"].to(device), dtype, config.predict)
+        out = batch_probabilities(models, batch["image"].to(device), dtype, config.predict)
         probs.append(quantize(out.submission.numpy()))
         classes.append(None if out.classes is None else quantize(out.classes.numpy()))
     truth = read_label_csv(data / TEST_SOLUTION_CSV).loc[dataset.image_ids]
@@ -132,7 +132,7 @@ def model_probs(model, config, data: Path, device) -> dict[bool, tuple[Probs, Pr
         config = config.model_copy(deep=True)
         config.predict.zero_black = zero_black
         _, probs8, truth, classes8 = predict_oof(model, config, device)
-        result[zero_black] = (Probs(probs8, classes8, truth), test_probs(model, config, data, device))
+        result[zero_black] = (Probs(probs8, classes8, truth), test_probs([model], config, data, device))
     return result
 
 

@@ -1,6 +1,7 @@
 """Where the noisy-label score is lost: the rule's tuning, or the model's probabilities?
 
-For each run of an earlier `benchmarks/robustness.py --out DIR` study, on its test images:
+For each run of an earlier `benchmarks/robustness.py --out DIR` study, on its test images (an
+every-fold run's folds predicting together, as `cloudseg predict` runs them):
 
 - **run's rule**: the test Dice under the run's own postprocess.json (what `cloudseg predict` does);
 - **rule tuned on test**: under the rule the run's search finds on the test images themselves
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cloudseg.checkpoint import fold_checkpoints
 from cloudseg.metrics import dice
 from cloudseg.postprocess import apply_rule, read_rule_file
 from cloudseg.predict import load_model
@@ -36,9 +38,11 @@ from noisy_ablation import references, test_probs  # noqa: E402
 
 def shares(folder: Path, device: torch.device) -> tuple[float, float, float]:
     """(run's rule, rule tuned on test, perfect presence) as shares of the margin, for one variant."""
-    model, config = load_model(folder / "run/best.pt", device)
+    run = folder / "run/best.pt"
+    loaded = [load_model(path, device) for path in fold_checkpoints(run) or [run]]  # an every-fold run: its folds
+    config = loaded[0][1]
     config.data.num_workers = 0
-    probs = test_probs(model.eval(), config, folder / "data", device)
+    probs = test_probs([model for model, _ in loaded], config, folder / "data", device)
     refs = references(folder / "data")
     room = refs["box oracle"] - refs["all-empty"]
     own_rule = read_rule_file(folder / "run/postprocess.json")
